@@ -1,0 +1,98 @@
+"""Formation time and allreduce speed: raympi's MPI communicator next to torch.distributed (gloo).
+
+Both run in the same Ray actors in the same invocation, interleaved per size, so the
+two columns see the same machine load.
+
+    python benchmarks/comm_bench.py               # N = 2, 4, 8; 1, 16, 64 MB
+    python benchmarks/comm_bench.py --quick       # N = 2; 1 MB (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+
+import ray
+import torch
+
+from raympi import comm
+
+
+@ray.remote(num_cpus=0)
+class Bench(comm.Member):
+    def gloo_init(self, rank: int, size: int, addr: str) -> float:
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        dist.init_process_group("gloo", init_method=addr, rank=rank, world_size=size)
+        return time.perf_counter() - start
+
+    def gloo_shutdown(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+    def time_allreduce(self, nbytes: int, reps: int, which: str) -> list[float]:
+        import torch.distributed as dist
+
+        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        times = []
+        for _ in range(reps + 1):  # the first is a warm-up
+            self.comm.barrier()
+            start = time.perf_counter()
+            if which == "mpi":
+                self.comm.allreduce_([x])
+            else:
+                dist.all_reduce(x)
+            times.append(time.perf_counter() - start)
+        return times[1:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--mb", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="N=2, 1 MB, 2 reps")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.mb, args.reps = [2], [1], 2
+    ray.init(address="local", num_cpus=max(args.sizes), include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    rows = []
+    for n in args.sizes:
+        actors = [Bench.remote() for _ in range(n)]
+        ray.get([a.__ray_ready__.remote() for a in actors])
+        start = time.perf_counter()
+        comm.form(actors, timeout_s=120, bucket_bytes=64 * 2**20)
+        mpi_form = time.perf_counter() - start
+        addr = f"tcp://127.0.0.1:{_free_port()}"
+        gloo_form = max(ray.get([a.gloo_init.remote(r, n, addr) for r, a in enumerate(actors)]))
+        rows.append((n, "formation", mpi_form, gloo_form, None, None))
+        for mb in args.mb:
+            nbytes = mb * 2**20
+            result = {}
+            for which in ("mpi", "gloo"):
+                per_rank = ray.get([a.time_allreduce.remote(nbytes, args.reps, which) for a in actors])
+                result[which] = statistics.median(max(rep) for rep in zip(*per_rank))
+            rows.append((n, f"allreduce {mb} MB", result["mpi"], result["gloo"], nbytes / result["mpi"], nbytes / result["gloo"]))
+        ray.get([a.gloo_shutdown.remote() for a in actors])
+        for a in actors:
+            ray.kill(a)
+    print(f"\n{'N':>3} {'what':<18} {'raympi (MPI)':>14} {'gloo':>12} {'MPI algbw':>12} {'gloo algbw':>12} {'gloo/MPI':>9}")
+    for n, what, mpi_s, gloo_s, mpi_bw, gloo_bw in rows:
+        bw = f"{mpi_bw / 1e9:10.2f}GB/s {gloo_bw / 1e9:10.2f}GB/s" if mpi_bw else f"{'':>12} {'':>12}"
+        print(f"{n:>3} {what:<18} {mpi_s * 1e3:12.1f}ms {gloo_s * 1e3:10.1f}ms {bw} {gloo_s / mpi_s:8.2f}x")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Command line: ``python -m raympi doctor`` (or ``raympi doctor``) checks this machine."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+_PAIR = r"""
+import sys
+from raympi import _mpi
+MPI = _mpi.init()
+if sys.argv[1] == "accept":
+    port = MPI.Open_port()
+    print(port, flush=True)
+    inter = MPI.COMM_SELF.Accept(port)
+    MPI.Close_port(port)
+else:
+    inter = MPI.COMM_SELF.Connect(sys.stdin.readline().strip())
+comm = inter.Merge(high=sys.argv[1] == "connect")
+total = comm.allreduce(comm.Get_rank() + 1)
+assert comm.Get_size() == 2 and total == 3, (comm.Get_size(), total)
+print("ok", flush=True)
+"""
+
+_RAY = r"""
+import ray
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+res = ray.cluster_resources()
+print(f"{len([n for n in ray.nodes() if n['Alive']])} node(s): " + ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if "node:" not in k))
+"""
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def check_connect_accept(timeout_s: float = 30.0) -> str | None:
+    """Join two fresh singleton processes over Open_port/Accept/Connect; None on success, else why not."""
+    cmd = [sys.executable, "-c", _PAIR]
+    server = subprocess.Popen(cmd + ["accept"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = None
+    try:
+        port = server.stdout.readline()
+        if not port.strip():
+            return "the accepting process printed no port: " + server.stderr.read().strip()[-300:]
+        client = subprocess.Popen(cmd + ["connect"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = client.communicate(port, timeout=timeout_s)
+        server.wait(timeout=timeout_s)
+        if client.returncode or "ok" not in out:
+            return "connect failed: " + err.strip()[-300:]
+        return None
+    except subprocess.TimeoutExpired:
+        return f"connect/accept did not finish within {timeout_s:g} s"
+    finally:
+        for p in (server, client):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def ray_cluster(timeout_s: float = 30.0) -> str:
+    """A line describing the reachable Ray cluster, or why there is none."""
+    if not os.environ.get("RAY_ADDRESS") and not os.path.exists("/tmp/ray/ray_current_cluster"):
+        return "none running (raympi.fit starts a local one)"
+    try:
+        done = subprocess.run([sys.executable, "-c", _RAY], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"recorded as running but not reachable within {timeout_s:g} s (stale? `ray stop`)"
+    if done.returncode:
+        return "not reachable: " + (done.stderr.strip().splitlines() or ["?"])[-1]
+    return done.stdout.strip()
+
+
+def doctor() -> int:
+    """Print versions and checks; 0 when MPI works, 1 with a one-line reason otherwise."""
+    from raympi import _mpi
+
+    for dist in ("raympi", "ray", "torch", "mpi4py", "mpich"):
+        print(f"{dist:8} {_version(dist)}")
+    reason = _mpi.problem()
+    print(f"{'MPI':8} {'-' if reason else _mpi.library_version()}")
+    if reason:
+        print(f"FAIL: {reason}")
+        return 1
+    failure = check_connect_accept()
+    print(f"{'connect':8} {'ok: two singleton processes joined one communicator' if failure is None else 'FAILED'}")
+    print(f"{'ray':8} {ray_cluster()}")
+    if failure:
+        print(f"FAIL: {failure}")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raympi", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="check the MPI library, connect/accept and the Ray cluster")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

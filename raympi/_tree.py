@@ -1,0 +1,52 @@
+"""Trees of tensors: the one wrapper around ``torch.utils._pytree``.
+
+``torch.utils._pytree`` is private API; the rest of raympi goes through these
+few names only, so a change upstream is mended here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as _pt
+
+TreeSpec = _pt.TreeSpec
+
+__all__ = ["TreeSpec", "flatten", "unflatten", "map", "leaves", "register_dataclass"]
+
+
+def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
+    """Split ``tree`` into its leaves and a spec that rebuilds it."""
+    return _pt.tree_flatten(tree)
+
+
+def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
+    """Rebuild a tree from ``leaves`` and the ``spec`` of :func:`flatten`."""
+    return _pt.tree_unflatten(leaves, spec)
+
+
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree``, in flatten order."""
+    return _pt.tree_leaves(tree)
+
+
+def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:  # noqa: A001 - mirrors jax.tree.map
+    """Apply ``fn`` leaf-wise over ``tree`` (and trees of the same shape in ``rest``)."""
+    return _pt.tree_map(fn, tree, *rest)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensor leaves of ``tree``; other leaves are skipped."""
+    return [x for x in _pt.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def register_dataclass(cls: type, field_names: list[str]) -> type:
+    """Register a dataclass whose ``field_names`` are its children."""
+    _pt.register_pytree_node(
+        cls,
+        lambda obj: ([getattr(obj, f) for f in field_names], None),
+        lambda children, _ctx: cls(**dict(zip(field_names, children))),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+    )
+    return cls

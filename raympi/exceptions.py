@@ -1,0 +1,33 @@
+"""Every error raympi raises on purpose.
+
+All of them derive from :class:`RaympiError` and are picklable (plain
+``Exception`` subclasses whose only constructor argument is the message), so
+they survive the trip from a Ray actor back to the driver.  Messages say what
+went wrong and which setting to change.
+"""
+
+from __future__ import annotations
+
+
+class RaympiError(Exception):
+    """Base class of every raympi error."""
+
+
+class MPIUnavailableError(RaympiError):
+    """The MPI library is missing or a release known to be broken."""
+
+
+class FormationError(RaympiError):
+    """The MPI communicator could not be formed within its deadline."""
+
+
+class ConfigError(RaympiError, ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+class TrainingError(RaympiError):
+    """The user's model, loss or data failed inside a training step."""
+
+
+class NonFiniteLossError(TrainingError):
+    """The loss became NaN or infinite."""

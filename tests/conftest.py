@@ -1,0 +1,25 @@
+"""Shared fixtures: one private local Ray instance for the whole test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A private local Ray instance (never a stale cluster recorded on the machine)."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        logging_level="ERROR",
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+    )
+    yield ray
+    ray.shutdown()

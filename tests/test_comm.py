@@ -1,0 +1,171 @@
+"""Communicator formation and tensor collectives with real Ray actors and real MPI."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from raympi import comm
+from raympi.exceptions import ConfigError, FormationError
+
+SIZES = [1, 2, 3, 5, 8]
+
+
+def _peer_class(ray):
+    @ray.remote(num_cpus=0)
+    class Peer(comm.Member):
+        def reduce(self, tensors, bucket_bytes):
+            calls = []
+            self.comm.bucket_bytes = bucket_bytes
+            real = self.comm._allreduce_buffer
+            self.comm._allreduce_buffer = lambda a: (calls.append(a.size), real(a))
+            try:
+                out = self.comm.allreduce_(tensors)
+            finally:
+                del self.comm._allreduce_buffer
+            return out, calls
+
+        def broadcast(self, tree):
+            return self.comm.broadcast(tree, root=0)
+
+        def barrier_after(self, delay):
+            time.sleep(delay)
+            entered = time.time()
+            self.comm.barrier()
+            return entered, time.time()
+
+        def stall(self, seconds):
+            time.sleep(seconds)
+
+    return Peer
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session):
+    """Eight live peers, re-formed into groups of different sizes by the tests."""
+    Peer = _peer_class(ray_session)
+    peers = [Peer.remote() for _ in range(max(SIZES))]
+    ray_session.get([p.__ray_ready__.remote() for p in peers])
+    yield peers
+    for p in peers:
+        ray_session.kill(p)
+
+
+def _inputs(rank: int) -> dict:
+    """Integer-valued tensors (so every sum is exact) of odd sizes and mixed dtypes."""
+    g = np.random.default_rng(rank)
+    ints = lambda *shape: g.integers(-16, 16, size=shape)  # noqa: E731
+    return {
+        "a": torch.tensor(ints(7), dtype=torch.float32),
+        "b": torch.tensor(ints(33, 17), dtype=torch.float32),
+        "c": torch.tensor(ints(1001), dtype=torch.float64),
+        "d": torch.tensor(ints(5, 3), dtype=torch.bfloat16),
+        "e": torch.tensor(ints(13), dtype=torch.int64),
+        "f": torch.tensor(ints(1), dtype=torch.float32),
+    }
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_form_and_allreduce_exact_sums(ray_session, pool, n):
+    peers = pool[:n]
+    members = comm.form(peers, timeout_s=60)
+    assert [(r, s) for r, s, _ in members] == [(k, n) for k in range(n)]
+
+    bucket_bytes = 256  # 64 float32: most tensors straddle a bucket boundary
+    results = ray_session.get([p.reduce.remote(_inputs(r), bucket_bytes) for r, p in enumerate(peers)])
+    expected = {k: sum(_inputs(r)[k].double().numpy() for r in range(n)) for k in _inputs(0)}
+    for out, calls in results:
+        for key, tensor in out.items():
+            assert tensor.dtype == _inputs(0)[key].dtype and tensor.shape == _inputs(0)[key].shape
+            np.testing.assert_array_equal(tensor.double().numpy(), expected[key])
+        # one MPI call per bucket: per wire dtype, ceil(bytes / bucket)
+        f32 = 7 + 33 * 17 + 1 + 15  # bfloat16 travels as float32
+        want = math.ceil(f32 * 4 / bucket_bytes) + math.ceil(1001 * 8 / bucket_bytes) + math.ceil(13 * 8 / bucket_bytes)
+        assert len(calls) == want
+
+
+def test_allreduce_empty_list_and_list_order(ray_session, pool):
+    peers = pool[:3]
+    comm.form(peers, timeout_s=60)
+    empty = ray_session.get([p.reduce.remote([], 1024) for p in peers])
+    assert all(out == [] and calls == [] for out, calls in empty)
+    lists = ray_session.get([p.reduce.remote([torch.full((3,), float(r)), torch.ones(2, dtype=torch.float64)], 1 << 20) for r, p in enumerate(peers)])
+    for out, calls in lists:
+        assert out[0].tolist() == [3.0, 3.0, 3.0] and out[1].tolist() == [3.0, 3.0]
+        assert len(calls) == 2
+
+
+def test_broadcast_nested_dict(ray_session, pool):
+    peers = pool[:5]
+    comm.form(peers, timeout_s=60)
+    tree = {
+        "params": {"w": torch.randn(4, 3), "b": torch.arange(5, dtype=torch.float64)},
+        "opt": [torch.randn(2, dtype=torch.bfloat16), (torch.tensor(7), "adam")],
+        "step": torch.tensor(11, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+    }
+    results = ray_session.get([p.broadcast.remote(tree if r == 0 else None) for r, p in enumerate(peers)])
+    for got in results:
+        assert got["opt"][1][1] == "adam"
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(tree)):
+            if isinstance(b, torch.Tensor):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_barrier_waits_for_the_slowest(ray_session, pool):
+    peers = pool[:3]
+    comm.form(peers, timeout_s=60)
+    times = ray_session.get([p.barrier_after.remote(1.0 if r == 2 else 0.0) for r, p in enumerate(peers)])
+    slowest_entered = times[2][0]
+    assert all(left >= slowest_entered for _, left in times)
+
+
+def test_zero_actors_is_a_clear_error():
+    with pytest.raises(ConfigError, match="at least one actor"):
+        comm.form([], timeout_s=5)
+
+
+def _all_dead(ray, actors, wait_s=10.0):
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        alive = 0
+        for a in actors:
+            try:
+                ray.get(a.__ray_ready__.remote(), timeout=2)
+                alive += 1
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        if alive == 0:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_member_dead_before_connecting(ray_session):
+    Peer = _peer_class(ray_session)
+    peers = [Peer.remote() for _ in range(3)]
+    ray_session.get([p.__ray_ready__.remote() for p in peers])
+    ray_session.kill(peers[1], no_restart=True)
+    start = time.monotonic()
+    with pytest.raises(FormationError, match="rank 1") as info:
+        comm.form(peers, timeout_s=20)
+    assert time.monotonic() - start < 20
+    assert "killed" in str(info.value)
+    assert _all_dead(ray_session, peers)
+
+
+def test_member_that_never_connects_hits_the_deadline(ray_session):
+    Peer = _peer_class(ray_session)
+    peers = [Peer.remote() for _ in range(3)]
+    ray_session.get([p.__ray_ready__.remote() for p in peers])
+    peers[2].stall.remote(600)  # busy: its join call queues behind this forever
+    start = time.monotonic()
+    with pytest.raises(FormationError, match=r"timeout_s=4 s: rank\(s\) \[") as info:
+        comm.form(peers, timeout_s=4)
+    assert 4 <= time.monotonic() - start < 10
+    assert "2" in str(info.value).split("rank(s)")[1]
+    assert _all_dead(ray_session, peers)
