@@ -77,13 +77,18 @@ class Communicator:
                 raise TypeError(f"allreduce cannot sum tensors of dtype {t.dtype}")
             by_dtype.setdefault(wire, []).append(t)
         for wire, group in by_dtype.items():
-            flat = torch.cat([t.detach().reshape(-1).to(wire) for t in group]) if group else None
+            if len(group) == 1 and group[0].dtype == wire and group[0].is_contiguous():
+                flat = group[0].detach().view(-1)  # already one flat buffer: reduce it in place, no copies
+            else:
+                flat = torch.cat([t.detach().reshape(-1).to(wire) for t in group])
             host = _to_host(flat)
             step = max(1, self.bucket_bytes // host.element_size())
             array = host.numpy()
             for start in range(0, array.size, step):
                 self._allreduce_buffer(array[start : start + step])
             flat = _from_host(host, flat)
+            if flat.data_ptr() == group[0].data_ptr():
+                continue
             offset = 0
             for t in group:
                 n = t.numel()

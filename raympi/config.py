@@ -1,0 +1,97 @@
+"""The options of :func:`raympi.fit`, validated before any actor starts.
+
+Frozen pydantic models with ``extra="forbid"``: a misspelled option or a bad
+value is a :class:`~raympi.exceptions.ConfigError` that names the field.  Every
+deadline is a field here, and the error that a deadline raises quotes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from raympi.exceptions import ConfigError
+
+__all__ = ["FitConfig", "MPIConfig", "parse_config"]
+
+
+class MPIConfig(BaseModel):
+    """How the MPI library talks between ranks; the same on every rank of a group.
+
+    ``netmod="auto"`` picks MPICH's OFI network module with its ``tcp`` provider
+    when the group spans hosts (UCX, MPICH's own default, was seen to hang on
+    ``Connect`` across hosts) and UCX when every rank shares one host (about 3x
+    faster there).  ``env`` adds any other ``MPIR_CVAR_*`` / ``FI_*`` / ``UCX_*``
+    variable.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    netmod: Literal["auto", "ofi", "ucx"] = Field("auto", description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx on one host, ofi across hosts")
+    provider: Optional[str] = Field("tcp", description="libfabric provider with netmod='ofi' (FI_PROVIDER)")
+    interface: Optional[str] = Field(None, description="network interface MPI should use, e.g. 'eth0' (FI_TCP_IFACE / UCX_NET_DEVICES)")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the MPI library")
+
+    def environment(self, multi_host: bool) -> dict[str, str]:
+        """The environment variables every rank of a group starts with."""
+        netmod = self.netmod if self.netmod != "auto" else ("ofi" if multi_host else "ucx")
+        env = {"MPIR_CVAR_CH4_NETMOD": netmod}
+        if netmod == "ofi" and self.provider:
+            env["FI_PROVIDER"] = self.provider
+        if self.interface:
+            env["FI_TCP_IFACE" if netmod == "ofi" else "UCX_NET_DEVICES"] = self.interface
+        return {**env, **self.env}
+
+
+class FitConfig(BaseModel):
+    """Every option of :func:`raympi.fit` (see the README's table)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    workers: int = Field(1, ge=1, description="number of ranks (one Ray actor each)")
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(64, ge=1, description="global batch size, split across the workers")
+    optimizer: Any = Field(None, description="a raympi.optim transform; default raympi.optim.adam(1e-3)")
+    loss_fn: Optional[Callable[..., Any]] = Field(None, description="loss_fn(outputs, targets) -> mean over samples; default cross-entropy")
+    eval_dataset: Any = None
+    eval_every: int = Field(0, ge=0, description="steps between evaluations (0: at the end of each epoch when eval_dataset is given)")
+    seed: int = 0
+    use_gpu: Optional[bool] = Field(None, description="one GPU per worker; default: when the cluster has GPUs")
+    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"] = "SPREAD"
+    checkpoint_dir: Optional[str] = Field(None, description="local path or fsspec URI; default ./runs/raympi-<time>")
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end)")
+    keep_checkpoints: int = Field(3, ge=1)
+    resume: bool = False
+    progress: Optional[bool] = Field(None, description="progress bar; default: when stderr is a terminal")
+    address: Optional[str] = Field(None, description="Ray cluster to join ('auto'); default RAY_ADDRESS or a new local instance")
+    startup_timeout_s: float = Field(120.0, gt=0, description="placing the workers, starting them and forming MPI")
+    step_timeout_s: float = Field(60.0, gt=0, description="the longest a chunk of steps may go without finishing")
+    bucket_bytes: int = Field(16 * 2**20, ge=1024, description="bytes per MPI_Allreduce bucket")
+    torch_threads: Optional[int] = Field(None, ge=1, description="torch threads per worker; default the worker's CPUs")
+    mpi: MPIConfig = Field(default_factory=MPIConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "FitConfig":
+        if self.batch_size < self.workers:
+            raise ValueError(f"batch_size={self.batch_size} is smaller than workers={self.workers}: every worker needs at least one sample per step")
+        return self
+
+
+def parse_config(**options: Any) -> FitConfig:
+    """Build a :class:`FitConfig`, turning pydantic's report into one readable :class:`ConfigError`."""
+    try:
+        return FitConfig(**options)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "options"
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(sorted(FitConfig.model_fields))
+                lines.append(f"unknown option {field!r} (known options: {known})")
+            elif err["type"] == "value_error":
+                lines.append(err["msg"].removeprefix("Value error, "))
+            else:
+                lines.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid raympi.fit options: " + "; ".join(lines)) from None

@@ -1,0 +1,134 @@
+"""The worker group: placing N worker actors, joining them into one communicator, tearing them down.
+
+Every wait has a deadline (``startup_timeout_s``, ``step_timeout_s``) and a
+failure kills the whole group: an MPI communicator cannot lose a member, so a
+group that failed is never reused.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raympi import comm
+from raympi.config import FitConfig
+from raympi.exceptions import RaympiError, TrainingError
+from raympi.worker import Worker
+
+__all__ = ["WorkerGroup", "WorkerLostError", "StepTimeoutError", "CapacityError", "cluster_capacity"]
+
+
+class CapacityError(RaympiError):
+    """The cluster cannot host the requested workers."""
+
+
+class WorkerLostError(RaympiError):
+    """A worker actor or its node died."""
+
+
+class StepTimeoutError(RaympiError):
+    """A rank made no progress within ``step_timeout_s``."""
+
+
+def cluster_capacity(bundle: dict[str, float]) -> int:
+    """How many bundles of ``bundle`` the live nodes could host, counting their total resources."""
+    total = 0
+    for node in ray.nodes():
+        if node.get("Alive"):
+            res = node.get("Resources", {})
+            total += min((math.floor(res.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0), default=0)
+    return total
+
+
+class WorkerGroup:
+    """``cfg.workers`` :class:`~raympi.worker.Worker` actors joined into one MPI communicator."""
+
+    def __init__(self, cfg: FitConfig, worker_args: tuple, state: Any, use_gpu: bool) -> None:
+        self.cfg = cfg
+        self.actors: list[Any] = []
+        self.pg = None
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        bundle = dict(cfg.resources_per_worker)
+        if use_gpu:
+            bundle["GPU"] = max(1.0, bundle.get("GPU", 0.0))
+        try:
+            self._place(bundle, deadline)
+            nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+            env = {**cfg.mpi.environment(multi_host=len(set(nodes.values())) > 1)}
+            threads = cfg.torch_threads or max(1, int(bundle.get("CPU", 1)))
+            env["OMP_NUM_THREADS"] = str(threads)
+            cls = ray.remote(Worker)
+            self.actors = [
+                cls.options(
+                    num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                    resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                    runtime_env={"env_vars": env}, max_restarts=0,
+                ).remote(*worker_args, "cuda" if use_gpu else "cpu", threads)
+                for i in range(cfg.workers)
+            ]
+            self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", "startup_timeout_s")
+            members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=cfg.bucket_bytes)
+            self.hosts = [host for _, _, host in members]
+            self.state_ref = state if state is None else ray.put(state)
+            self.pids = self.gather([a.setup.remote(self.state_ref, cfg.seed) for a in self.actors], deadline, "setting up the workers", "startup_timeout_s")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _place(self, bundle: dict[str, float], deadline: float) -> None:
+        can_host = cluster_capacity(bundle)
+        if can_host < self.cfg.workers:
+            raise CapacityError(
+                f"the Ray cluster can host {can_host} worker(s) of {bundle}, not workers={self.cfg.workers}: "
+                "lower workers or resources_per_worker, or add nodes"
+            )
+        self.pg = placement_group([dict(bundle) for _ in range(self.cfg.workers)], strategy=self.cfg.placement_strategy)
+        if not self.pg.wait(max(0.1, deadline - time.monotonic())):
+            raise CapacityError(
+                f"{self.cfg.workers} worker(s) of {bundle} could not be placed within "
+                f"startup_timeout_s={self.cfg.startup_timeout_s:g} s (the cluster has room for {can_host} when idle: "
+                "other jobs hold the rest); raise startup_timeout_s or free resources"
+            )
+
+    def gather(self, refs: Sequence[Any], deadline: float, what: str, field: str) -> list[Any]:
+        """Results of one call per rank, failing fast on the first error and at ``deadline``."""
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stuck = sorted(rank_of[r] for r in pending)
+                limit = getattr(self.cfg, field)
+                error = StepTimeoutError if field == "step_timeout_s" else CapacityError
+                raise error(f"{what}: rank(s) {stuck} made no progress within {field}={limit:g} s (hung process, cut link, or too small a deadline)")
+            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            for ref in done:
+                self._check(ref, rank_of[ref], what)
+        return ray.get(list(refs))
+
+    def _check(self, ref: Any, rank: int, what: str) -> None:
+        host = self.hosts[rank] if getattr(self, "hosts", None) else "?"
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            if isinstance(cause, RaympiError) and not isinstance(cause, TrainingError):
+                raise cause from None
+            raise TrainingError(f"{what}: rank {rank} on {host} raised {type(cause).__name__}: {cause}\n\n{exc}") from None
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerLostError(f"{what}: rank {rank} on {host} died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+
+    def shutdown(self) -> None:
+        """Kill every actor and release the placement group (idempotent)."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

@@ -1,0 +1,88 @@
+"""What the user sees: a progress line, a metrics file (JSON lines) and a loss/accuracy plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+__all__ = ["Progress", "write_plot", "write_jsonl"]
+
+
+class Progress:
+    """A live progress bar on a terminal, plain log lines every ``every_s`` seconds otherwise."""
+
+    def __init__(self, total_steps: int, enabled: bool | None, stream: TextIO | None = None, every_s: float = 5.0) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if enabled is None else enabled and self.stream.isatty()
+        self.quiet = enabled is False
+        self.total = total_steps
+        self.every_s = every_s
+        self.start = time.monotonic()
+        self.last = 0.0
+
+    def update(self, step: int, record: dict[str, Any], force: bool = False) -> None:
+        if self.quiet:
+            return
+        now = time.monotonic()
+        if not (self.tty or force or now - self.last >= self.every_s):
+            return
+        self.last = now
+        rate = record.get("samples_per_s", 0.0)
+        done = step / max(1, self.total)
+        steps_per_s = step / max(1e-9, now - self.start)
+        eta = (self.total - step) / steps_per_s if steps_per_s > 0 and step else float("nan")
+        acc = f" acc {record['accuracy']:.3f}" if "accuracy" in record else ""
+        ev = f" eval_acc {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
+        text = (f"step {step}/{self.total} epoch {record.get('epoch', 0) + 1} loss {record.get('loss', float('nan')):.4f}"
+                f"{acc}{ev} {rate:,.0f} samples/s ETA {_clock(eta)}")
+        if self.tty:
+            bar = "#" * int(20 * done)
+            self.stream.write(f"\r[{bar:<20}] {text}\x1b[K")
+        else:
+            self.stream.write(f"raympi: {text}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and not self.quiet:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    if seconds != seconds:  # NaN: not known yet
+        return "--:--"
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m:02d}:{s:02d}"
+
+
+def write_plot(history: list[dict[str, Any]], path: str, fs: Any) -> None:
+    """Loss and accuracy against step, training and eval, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, ax, label in (("loss", ax_loss, "train loss"), ("eval_loss", ax_loss, "eval loss"),
+                           ("accuracy", ax_acc, "train accuracy"), ("eval_accuracy", ax_acc, "eval accuracy")):
+        points = [(r["step"], r[key]) for r in history if key in r]
+        if points:
+            ax.plot(*zip(*points), label=label, marker="o" if key.startswith("eval") else None)
+    for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend()
+    fig.tight_layout()
+    with fs.open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=90)
+    plt.close(fig)
+
+
+def write_jsonl(records: list[dict[str, Any]], path: str, fs: Any) -> None:
+    """Write metric records as a JSON-lines file (whole, so it works on object stores too)."""
+    with fs.open(path, "wb") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records).encode())

@@ -1,0 +1,104 @@
+"""Layer 3: the Ray actor that is one rank.
+
+A :class:`Worker` holds its rank's model template, ``TrainState``, the shared
+dataset (shipped once through Ray's object store) and its MPI communicator, and
+runs a chunk of steps per call: the driver sends only sample indices.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from raympi import _tree, comm
+from raympi._state import TrainState
+from raympi._step import make_eval_step, make_train_step
+
+__all__ = ["Worker", "accuracy"]
+
+EVAL_BATCH = 1024
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Share of samples whose arg-max output is the target class."""
+    return (outputs.argmax(1) == targets).float().mean()
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    with warnings.catch_warnings():  # the object store's arrays are read-only; we only gather from them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(x))
+
+
+class Worker(comm.Member):
+    """One rank: call :meth:`setup` after :func:`raympi.comm.form`, then :meth:`run` chunks of steps."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, optimizer: Any, inputs: Any, targets: Any,
+                 eval_inputs: Any, eval_targets: Any, device: str, torch_threads: int | None) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.host = socket.gethostname()
+        self.rank = -1
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.model = model.to(self.device)
+        self.loss_fn = loss_fn or F.cross_entropy
+        self.optimizer = optimizer
+        # The arrays come from Ray's object store (top-level ObjectRef arguments): zero-copy, shared per node.
+        self.inputs, self.targets = _as_tensor(inputs), _as_tensor(targets)
+        self.eval_data = (_as_tensor(eval_inputs), _as_tensor(eval_targets)) if eval_inputs is not None else None
+        self.state: TrainState | None = None
+
+    def __repr__(self) -> str:  # Ray tags this actor's printed lines with it
+        return f"rank {self.rank} on {getattr(self, 'host', '?')}"
+
+    def setup(self, state: dict[str, Any] | None, seed: int) -> int:
+        """Build the step functions over the communicator; start from ``state`` or from the model."""
+        assert self.comm is not None, "form the communicator first"
+        self.rank = self.comm.rank
+        self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer,
+                                          grad_sync=self.comm.allreduce_, rank=self.rank)
+        self.eval_step = make_eval_step(self.model, {"loss": self.loss_fn, "accuracy": accuracy})
+        if state is None:
+            self.state = TrainState.create(self.model, self.optimizer, seed=seed)
+        else:
+            self.state = TrainState.from_dict(state)
+        self.state = _tree_to(self.state, self.device)
+        return os.getpid()
+
+    def _batch(self, inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs[index].to(self.device, non_blocking=True), targets[index].to(self.device, non_blocking=True)
+
+    def run(self, shards: list[torch.Tensor], global_batch_size: int) -> list[dict[str, Any]] | None:
+        """Take one step per entry of ``shards`` (this rank's sample indices); rank 0 returns the metrics."""
+        history = []
+        for index in shards:
+            self.state, metrics = self.train_step(self.state, self._batch(self.inputs, self.targets, index), global_batch_size)
+            history.append(metrics)
+        return history if self.rank == 0 else None
+
+    def evaluate(self, index: torch.Tensor) -> dict[str, float] | None:
+        """Evaluate this rank's share of the eval set; rank 0 returns the global means."""
+        totals = {"loss": 0.0, "accuracy": 0.0, "samples": 0.0}
+        for chunk in torch.split(index, EVAL_BATCH):
+            if len(chunk):
+                for k, v in self.eval_step(self.state, self._batch(*self.eval_data, chunk)).items():
+                    totals[k] += v
+        summed = self.comm.allreduce_([torch.tensor(list(totals.values()), dtype=torch.float64)])[0].tolist()
+        loss, correct, samples = summed
+        return {"eval_loss": loss / samples, "eval_accuracy": correct / samples} if self.rank == 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as plain CPU tensors (what a checkpoint holds)."""
+        return _tree_to(self.state, torch.device("cpu")).to_dict()
+
+
+def _tree_to(state: TrainState, device: torch.device) -> TrainState:
+    return _tree.map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state)
