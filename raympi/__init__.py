@@ -16,4 +16,14 @@ _running_doctor = sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.
 if not _running_doctor and (_reason := _mpi.problem()):
     raise MPIUnavailableError(_reason)
 
-__all__ = ["ConfigError", "FormationError", "MPIUnavailableError", "RaympiError", "TrainingError", "__version__"]
+from raympi import optim  # noqa: E402
+from raympi._state import TrainState  # noqa: E402
+from raympi._step import make_eval_step, make_train_step  # noqa: E402
+from raympi.checkpoint import load_checkpoint  # noqa: E402
+from raympi.config import FitConfig, MPIConfig  # noqa: E402
+from raympi.fit import Result, fit  # noqa: E402
+
+__all__ = [
+    "ConfigError", "FitConfig", "FormationError", "MPIConfig", "MPIUnavailableError", "RaympiError", "Result",
+    "TrainState", "TrainingError", "__version__", "fit", "load_checkpoint", "make_eval_step", "make_train_step", "optim",
+]

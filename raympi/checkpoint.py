@@ -133,8 +133,13 @@ class CheckpointStore:
             path = posixpath.join(self._path, name)
             try:
                 return path, *_read(self.fs, path)
-            except Exception as exc:  # any damage: say so and fall back to the one before
-                warnings.warn(f"{CORRUPT_WARNING}: {path} ({exc}); using the previous one", stacklevel=2)
+            except Exception as exc:  # any damage: say so, set it aside for inspection, fall back
+                aside = posixpath.join(self._path, "corrupt-" + name)
+                warnings.warn(f"{CORRUPT_WARNING}: {path} ({exc}); using the previous one, this one moved to {aside}", stacklevel=2)
+                try:
+                    self.fs.mv(path, aside, recursive=True)
+                except OSError:
+                    pass
         return None
 
 

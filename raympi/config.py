@@ -51,6 +51,7 @@ class FitConfig(BaseModel):
 
     workers: int = Field(1, ge=1, description="number of ranks (one Ray actor each)")
     epochs: int = Field(1, ge=1)
+    max_steps: Optional[int] = Field(None, ge=1, description="stop after this many steps in all (a run can be resumed later)")
     batch_size: int = Field(64, ge=1, description="global batch size, split across the workers")
     optimizer: Any = Field(None, description="a raympi.optim transform; default raympi.optim.adam(1e-3)")
     loss_fn: Optional[Callable[..., Any]] = Field(None, description="loss_fn(outputs, targets) -> mean over samples; default cross-entropy")

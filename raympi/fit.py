@@ -128,7 +128,7 @@ class _Run:
     def __init__(self, cfg, model, loss_fn, optimizer, train_data, eval_data, steps_per_epoch, store) -> None:
         self.cfg, self.model, self.store = cfg, model, store
         self.spe = steps_per_epoch
-        self.total = steps_per_epoch * cfg.epochs
+        self.total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
         self.history: list[dict[str, Any]] = []
         self.checkpoint: str | None = None
         self.num_samples = len(train_data[0])

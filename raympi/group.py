@@ -8,6 +8,7 @@ group that failed is never reused.
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any, Sequence
 
@@ -120,7 +121,8 @@ class WorkerGroup:
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
             if isinstance(cause, RaympiError) and not isinstance(cause, TrainingError):
                 raise cause from None
-            raise TrainingError(f"{what}: rank {rank} on {host} raised {type(cause).__name__}: {cause}\n\n{exc}") from None
+            trace = re.sub(r"\x1b\[[0-9;]*m", "", getattr(exc, "traceback_str", "") or str(exc))
+            raise TrainingError(f"{what}: rank {rank} on {host} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}") from None
         except ray.exceptions.RayActorError as exc:
             raise WorkerLostError(f"{what}: rank {rank} on {host} died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
 

@@ -1,0 +1,138 @@
+"""``TrainState``: everything a training run carries from step to step, as one tree.
+
+The functional core's data: parameters, buffers, optimizer state, step count
+and seed, all tensors, in one frozen dataclass registered as a pytree.  The
+worker layer broadcasts it, rank 0 hands it to the driver for checkpoints,
+and ``train_step`` maps one to the next without touching the old one.
+
+It holds no module and no optimizer: those are static and live in the
+closures ``make_train_step`` returns, as in flax's ``TrainState`` minus the
+non-leaf fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from raympi import _tree
+from raympi.exceptions import ConfigError
+from raympi.optim import GradientTransformation
+
+__all__ = ["TrainState"]
+
+_FIELDS = ["params", "buffers", "opt_state", "step", "rng_seed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """An immutable tree of tensors: one rank's whole training state.
+
+    Attributes:
+        params: trainable parameters, a flat dict ``name -> tensor`` as from
+            ``model.named_parameters()``.
+        buffers: everything else the model reads: its buffers (BatchNorm
+            running statistics, updated by the forward pass) and any frozen
+            parameters (``requires_grad=False``).
+        opt_state: the optimizer state, a plain tree of dicts / tuples /
+            tensors (see :mod:`raympi.optim`).
+        step: steps taken so far, a 0-d int64 tensor.
+        rng_seed: the run's seed, a 0-d int64 tensor; ``train_step`` derives
+            each step's dropout seed from it and ``step``.
+
+    Example:
+        >>> state = TrainState.create(torch.nn.Linear(2, 1), raympi.optim.sgd(0.1))
+        >>> state = state.replace(step=torch.tensor(5))
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    opt_state: Any
+    step: torch.Tensor
+    rng_seed: torch.Tensor
+
+    @classmethod
+    def create(
+        cls, model: nn.Module, optimizer: GradientTransformation, *, seed: int = 0
+    ) -> TrainState:
+        """Build the initial state from ``model``'s current tensors.
+
+        The tensors are copied (detached clones), so later changes to the
+        module do not leak into the state and the other way round.
+
+        Args:
+            model: the ``nn.Module`` to train.
+            optimizer: its optimizer, a :class:`raympi.optim.GradientTransformation`.
+            seed: the run's seed, stored in ``rng_seed``.
+
+        Returns:
+            A ``TrainState`` with ``step == 0``.
+
+        Raises:
+            ConfigError: the model has no trainable parameter.
+
+        Example:
+            >>> state = TrainState.create(model, raympi.optim.adam(1e-3), seed=1)
+        """
+        params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        if not params:
+            raise ConfigError(
+                f"{type(model).__name__} has no trainable parameter (none with "
+                "requires_grad=True): there is nothing to train. Check that the model "
+                "registers its weights as nn.Parameter and that they are not frozen."
+            )
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        buffers.update(
+            {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        )
+        return cls(
+            params=params,
+            buffers=buffers,
+            opt_state=optimizer.init(params),
+            step=torch.zeros((), dtype=torch.int64),
+            rng_seed=torch.tensor(int(seed), dtype=torch.int64),
+        )
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with the given fields changed; the original is untouched.
+
+        Example:
+            >>> state.replace(params=new_params)
+        """
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state as plain dicts, tuples and tensors, for ``torch.save``.
+
+        The result loads back with ``torch.load(..., weights_only=True)``; the
+        tensors are shared, not copied.
+
+        Example:
+            >>> torch.save(state.to_dict(), "ckpt.pt")
+        """
+        return {f: getattr(self, f) for f in _FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainState:
+        """Rebuild a state from :meth:`to_dict`'s output.
+
+        No optimizer is needed: optimizer states are plain trees already.
+
+        Raises:
+            ValueError: a field is missing or unknown.
+
+        Example:
+            >>> state = TrainState.from_dict(torch.load("ckpt.pt", weights_only=True))
+        """
+        missing, extra = set(_FIELDS) - set(d), set(d) - set(_FIELDS)
+        if missing or extra:
+            raise ValueError(
+                f"not a TrainState dict: missing {sorted(missing)}, unknown {sorted(extra)}"
+            )
+        return cls(**{f: d[f] for f in _FIELDS})
+
+
+_tree.register_dataclass(TrainState, _FIELDS)

@@ -1,0 +1,184 @@
+"""raympi.fit end to end: real Ray actors, real MPI, real Fashion-MNIST data."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import raympi
+from raympi.exceptions import ConfigError, TrainingError
+from raympi.group import CapacityError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("mnist_example", ROOT / "examples" / "mnist.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fashion(tmp_path_factory):
+    """A Fashion-MNIST subset from Debian's dataset-fashion-mnist package: 1536 train, 512 held out."""
+    example = _example()
+    x, y = example.load("fashion-mnist", str(tmp_path_factory.mktemp("data")), train=True)
+    return (x[:1536], y[:1536]), (x[-512:], y[-512:])
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _fit(data, tmp_path, name, **kw):
+    options = dict(epochs=1, batch_size=64, optimizer=raympi.optim.sgd(0.1, momentum=0.9), progress=False,
+                   checkpoint_dir=str(tmp_path / name), seed=3)
+    options.update(kw)
+    return raympi.fit(_net(), data, **options)
+
+
+def _max_diff(a, b) -> float:
+    return max((a.params[k] - b.params[k]).abs().max().item() for k in a.params)
+
+
+def _idle(ray, wait_s: float = 15.0) -> bool:
+    """Every CPU of the cluster free again: no worker actor or placement group left behind."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", 0):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, fashion, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("runs")
+    train, held_out = fashion
+    return {w: _fit(train, tmp, f"w{w}", workers=w, eval_dataset=held_out) for w in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_fit_learns(runs, fashion, workers):
+    result = runs[workers]
+    losses = [r["loss"] for r in result.metrics]
+    assert len(losses) == 1536 // 64
+    assert sum(losses[-4:]) / 4 < 0.7 * sum(losses[:4]) / 4
+    assert all(r["world_size"] == workers for r in result.metrics)
+    x, y = fashion[1]
+    with torch.no_grad():
+        accuracy = (result.model(x).argmax(1) == y).float().mean().item()
+    assert accuracy > 0.5  # chance is 0.1
+    assert result.metrics[-1]["eval_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert result.restarts == []
+
+
+def test_same_parameters_for_any_world_size(runs):
+    assert _max_diff(runs[1].state, runs[3].state) < 1e-4
+    assert _max_diff(runs[1].state, runs[2].state) < 1e-4
+
+
+def test_reports_next_to_checkpoints(runs):
+    folder = pathlib.Path(runs[2].checkpoint).parent
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len(runs[2].metrics)
+    assert (folder / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    state = raympi.load_checkpoint(runs[2].checkpoint)
+    assert _max_diff(state, runs[2].state) == 0
+
+
+def test_resume_continues_the_same_trajectory(ray_session, fashion, tmp_path):
+    train = fashion[0]
+    whole = _fit(train, tmp_path, "whole", workers=2, epochs=2)
+    _fit(train, tmp_path, "parts", workers=2, epochs=2, max_steps=29, checkpoint_every=5)  # stops mid-epoch 2
+    names = sorted(p.name for p in (tmp_path / "parts").glob("step-*"))
+    assert names == ["step-00000020", "step-00000025", "step-00000029"]  # keep_checkpoints=3 holds
+    resumed = _fit(train, tmp_path, "parts", workers=3, epochs=2, resume=True, checkpoint_every=5)
+    assert resumed.metrics[0]["step"] == 1 and resumed.metrics[-1]["step"] == 48
+    assert [r["world_size"] for r in resumed.metrics][28:30] == [2, 3]
+    assert _max_diff(whole.state, resumed.state) < 1e-4
+
+
+def test_truncated_newest_checkpoint_falls_back(ray_session, fashion, tmp_path):
+    train = fashion[0]
+    whole = _fit(train, tmp_path, "whole", workers=2, keep_checkpoints=2)
+    _fit(train, tmp_path, "cut", workers=2, max_steps=12, checkpoint_every=5, keep_checkpoints=2)
+    newest = tmp_path / "cut" / "step-00000012" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="step-00000012.*using the previous one"):
+        resumed = _fit(train, tmp_path, "cut", workers=2, resume=True, keep_checkpoints=2)
+    assert resumed.metrics[10]["step"] == 11  # steps 11 and 12 were run again
+    assert _max_diff(whole.state, resumed.state) < 1e-5
+    assert sorted(p.name for p in (tmp_path / "cut").glob("step-*")) == ["step-00000010", "step-00000024"]
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(epoch=1), ConfigError, "unknown option 'epoch'"),
+    (dict(workers=0), ConfigError, "workers"),
+    (dict(workers=4, batch_size=3), ConfigError, "batch_size=3 is smaller than workers=4"),
+    (dict(workers=2, checkpoint_dir="/etc/hostname/sub"), ConfigError, "checkpoint_dir='/etc/hostname/sub' is not writable"),
+    (dict(workers=20), CapacityError, "can host 8 worker"),
+    (dict(workers=1, use_gpu=True), CapacityError, "can host 0 worker"),
+    (dict(workers=1, startup_timeout_s=-1), ConfigError, "startup_timeout_s"),
+])
+def test_bad_options(ray_session, fashion, tmp_path, kwargs, error, words):
+    options = dict(checkpoint_dir=str(tmp_path / "ck"), progress=False)
+    options.update(kwargs)
+    start = time.monotonic()
+    with pytest.raises(error, match=words.replace("(", r"\(").replace("[", r"\[")):
+        raympi.fit(_net(), fashion[0], **options)
+    assert time.monotonic() - start < 10
+    assert _idle(ray_session)
+
+
+def test_bad_datasets(ray_session, tmp_path):
+    empty = (torch.empty(0, 784), torch.empty(0, dtype=torch.long))
+    with pytest.raises(ConfigError, match="empty"):
+        raympi.fit(_net(), empty, workers=2, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="map-style"):
+        raympi.fit(_net(), 42, workers=2, checkpoint_dir=str(tmp_path))
+    wrong_shape = (torch.randn(128, 3, 7), torch.zeros(128, dtype=torch.long))
+    with pytest.raises(TrainingError, match="do not fit the model"):
+        raympi.fit(_net(), wrong_shape, workers=2, checkpoint_dir=str(tmp_path))
+    assert _idle(ray_session)
+
+
+def test_user_error_on_a_worker_names_rank_and_host(ray_session, tmp_path):
+    class Fussy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            if x.shape[0] == 1:  # only rank 2 of 3 sees single-sample batches
+                raise RuntimeError("fussy model saw a batch of one")
+            return self.lin(x)
+
+    data = (torch.randn(64, 4), torch.zeros(64, dtype=torch.long))
+    with pytest.raises(TrainingError, match=r"rank 2 on \S+ raised RuntimeError: fussy model") as info:
+        raympi.fit(Fussy(), data, workers=3, batch_size=5, checkpoint_dir=str(tmp_path), progress=False)
+    assert "Traceback on rank 2" in str(info.value) and "in forward" in str(info.value)
+    assert _idle(ray_session)
+
+
+def test_progress_lines_when_not_a_terminal(ray_session, fashion, tmp_path, capsys):
+    _fit(fashion[0], tmp_path, "p", workers=1, progress=None, max_steps=8)
+    err = capsys.readouterr().err
+    assert "raympi: step 8/8 epoch 1 loss" in err and "samples/s" in err
+
+
+def test_example_runs_end_to_end(ray_session, tmp_path, capsys):
+    result = _example().main(["--subset", "640", "--epochs", "1", "--workers", "2", "--data-dir", str(tmp_path / "data"),
+                              "--checkpoint-dir", str(tmp_path / "ck")])
+    out = capsys.readouterr().out
+    assert "fashion-mnist: test accuracy" in out
+    assert result.checkpoint and os.path.exists(os.path.join(result.checkpoint, "manifest.json"))
