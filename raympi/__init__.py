@@ -6,7 +6,10 @@ import os
 import sys
 
 from raympi import _mpi
-from raympi.exceptions import ConfigError, FormationError, MPIUnavailableError, RaympiError, TrainingError
+from raympi.exceptions import (
+    CapacityError, ConfigError, FormationError, MPIUnavailableError, NonFiniteLossError, RaympiError,
+    RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError,
+)
 
 __version__ = "0.1.0"
 
@@ -24,6 +27,7 @@ from raympi.config import FitConfig, MPIConfig  # noqa: E402
 from raympi.fit import Result, fit  # noqa: E402
 
 __all__ = [
+    "CapacityError", "NonFiniteLossError", "RestartsExhaustedError", "StepTimeoutError", "WorkerLostError",
     "ConfigError", "FitConfig", "FormationError", "MPIConfig", "MPIUnavailableError", "RaympiError", "Result",
     "TrainState", "TrainingError", "__version__", "fit", "load_checkpoint", "make_eval_step", "make_train_step", "optim",
 ]

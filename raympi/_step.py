@@ -4,7 +4,8 @@ The heart of the functional core.  ``train_step(state, batch)`` runs the
 model with ``torch.func.functional_call`` on the state's tensors, takes the
 gradient with ``torch.func.grad_and_value``, hands it to ``grad_sync`` (the
 worker layer plugs the MPI allreduce in there; ``None`` in one process),
-applies the optimizer and returns a *new* state: the input is never touched.
+applies the optimizer and returns a *new* state: the input is never touched
+(unless the caller donates it, see ``make_train_step(donate=True)``).
 
 The global-batch rule: the loss of a step is the mean over the samples of the
 *global* batch.  Each rank scales its local mean loss by
@@ -134,6 +135,7 @@ def make_train_step(
     grad_sync: Optional[GradSync] = None,
     on_nonfinite: Literal["raise", "skip"] = "raise",
     rank: int = 0,
+    donate: bool = False,
 ) -> Callable[..., tuple[TrainState, Metrics]]:
     """Build ``train_step(state, batch, global_batch_size=None) -> (new_state, metrics)``.
 
@@ -174,9 +176,19 @@ def make_train_step(
             the global loss, so every rank decides alike.
         rank: this rank's index, folded into the dropout seed so that ranks
             draw different masks.
+        donate: let each step write the new parameters and optimizer state
+            into the memory of the input state's (JAX's buffer donation), for
+            loops of the form ``state, m = train_step(state, batch)`` that
+            never touch an old state again.  Saves a second copy of the
+            parameters and optimizer state and, on the CPU, the page faults of
+            fresh allocations.  The input state is then garbage: do not keep
+            it (for a checkpoint, say: copy first) and do not donate tensors
+            you do not own, such as read-only buffers from Ray's object store.
+            Off by default: ``train_step`` is then pure.
 
     Returns:
-        ``train_step``, a pure function of ``(state, batch, global_batch_size)``.
+        ``train_step``, a pure function of ``(state, batch, global_batch_size)``
+        (unless ``donate``).
 
     Raises:
         ConfigError: the model has no trainable parameter, or a bad ``on_nonfinite``.
@@ -267,7 +279,7 @@ def make_train_step(
         if on_nonfinite == "skip":
             metrics["nonfinite"] = False
 
-        params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params)
+        params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
         new_state = state.replace(
             params=params,
             buffers=buffers,

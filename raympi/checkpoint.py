@@ -17,7 +17,7 @@ import json
 import os
 import posixpath
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -61,24 +61,34 @@ class CheckpointStore:
         """Path of a file next to the checkpoints (metrics, plot)."""
         return posixpath.join(self._path, name)
 
-    def save_async(self, state: Any, manifest: dict[str, Any]) -> concurrent.futures.Future:
-        """Write in the background; ``state`` may be a Ray object ref (fetched by the writer)."""
-        future = self._writer.submit(self._save_ref, state, manifest)
+    def save_async(self, state: Any, manifest: dict[str, Any], on_saved: Callable[[str, int, dict], None] | None = None) -> concurrent.futures.Future:
+        """Write in the background; ``state`` may be a Ray object ref (fetched by the writer).
+
+        ``on_saved(path, step, state)`` runs in the writer thread once the checkpoint is on disk.
+        """
+        future = self._writer.submit(self._save_ref, state, manifest, on_saved)
         self._pending.append(future)
         return future
 
-    def _save_ref(self, state: Any, manifest: dict[str, Any]) -> str:
+    def _save_ref(self, state: Any, manifest: dict[str, Any], on_saved: Callable[[str, int, dict], None] | None) -> str:
         if not isinstance(state, dict):
             import ray
 
             state = ray.get(state)
-        return self.save(state, manifest)
+        path = self.save(state, manifest)
+        if on_saved is not None:
+            on_saved(path, int(manifest["step"]), state)
+        return path
 
-    def wait(self) -> None:
-        """Block until every background write is on disk; re-raise a failed write."""
+    def wait(self, strict: bool = True) -> None:
+        """Block until every background write is done; re-raise a failed one (``strict``) or warn about it."""
         pending, self._pending = self._pending, []
         for future in pending:
-            future.result()
+            error = future.exception()
+            if error is not None and strict:
+                raise error
+            if error is not None:
+                warnings.warn(f"a checkpoint was lost with its worker ({type(error).__name__}); the previous one is used", stacklevel=2)
 
     def close(self) -> None:
         """Finish the pending writes and stop the writer thread."""

@@ -67,14 +67,21 @@ class FitConfig(BaseModel):
     resume: bool = False
     progress: Optional[bool] = Field(None, description="progress bar; default: when stderr is a terminal")
     address: Optional[str] = Field(None, description="Ray cluster to join ('auto'); default RAY_ADDRESS or a new local instance")
+    min_workers: Optional[int] = Field(None, ge=1, description="fewest workers to continue with after a failure; default: workers")
+    max_restarts: int = Field(3, ge=0, description="infrastructure failures (lost worker or node, hung rank) survived before giving up")
+    restart_timeout_s: float = Field(60.0, gt=0, description="how long a restart waits for capacity of at least min_workers")
     startup_timeout_s: float = Field(120.0, gt=0, description="placing the workers, starting them and forming MPI")
-    step_timeout_s: float = Field(60.0, gt=0, description="the longest a chunk of steps may go without finishing")
+    step_timeout_s: float = Field(10.0, gt=0, description="the longest a rank may go without finishing a chunk of steps (about 0.5 s of work): a hung rank is noticed after this")
     bucket_bytes: int = Field(16 * 2**20, ge=1024, description="bytes per MPI_Allreduce bucket")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch threads per worker; default the worker's CPUs")
     mpi: MPIConfig = Field(default_factory=MPIConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "FitConfig":
+        if self.min_workers is None:
+            object.__setattr__(self, "min_workers", self.workers)
+        if self.min_workers > self.workers:
+            raise ValueError(f"min_workers={self.min_workers} is larger than workers={self.workers}")
         if self.batch_size < self.workers:
             raise ValueError(f"batch_size={self.batch_size} is smaller than workers={self.workers}: every worker needs at least one sample per step")
         return self

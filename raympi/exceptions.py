@@ -31,3 +31,19 @@ class TrainingError(RaympiError):
 
 class NonFiniteLossError(TrainingError):
     """The loss became NaN or infinite."""
+
+
+class RestartsExhaustedError(RaympiError):
+    """Infrastructure failures happened more often than ``max_restarts`` allows."""
+
+
+class CapacityError(RaympiError):
+    """The cluster cannot host the requested workers."""
+
+
+class WorkerLostError(RaympiError):
+    """A worker actor or its node died (an infrastructure failure: fit restarts)."""
+
+
+class StepTimeoutError(RaympiError):
+    """A rank made no progress within ``step_timeout_s`` (a hang: fit restarts)."""

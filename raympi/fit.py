@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -25,8 +26,8 @@ from raympi._state import TrainState
 from raympi._step import make_train_step
 from raympi.checkpoint import CheckpointStore
 from raympi.config import FitConfig, parse_config
-from raympi.exceptions import TrainingError
-from raympi.group import WorkerGroup
+from raympi.exceptions import CapacityError, FormationError, RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError
+from raympi.group import WorkerGroup, cluster_capacity, worker_bundle
 from raympi.report import Progress, write_jsonl, write_plot
 
 __all__ = ["fit", "Result"]
@@ -122,29 +123,39 @@ def _connect_ray(cfg: FitConfig) -> bool:
     return True
 
 
+class _Regroup(Exception):
+    """Internal: capacity came back; re-form the group at full size from the checkpoint just taken."""
+
+
 class _Run:
-    """One call of :func:`fit`: the data cursor, the chunk pipeline, checkpoints and metrics."""
+    """One call of :func:`fit`: the data cursor, the chunk pipeline, checkpoints, metrics and restarts."""
 
     def __init__(self, cfg, model, loss_fn, optimizer, train_data, eval_data, steps_per_epoch, store) -> None:
         self.cfg, self.model, self.store = cfg, model, store
         self.spe = steps_per_epoch
         self.total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
         self.history: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = []
         self.checkpoint: str | None = None
+        self.memory: tuple[int, dict[str, Any]] | None = None  # the newest checkpoint's state, in driver memory
         self.num_samples = len(train_data[0])
         self.eval_size = len(eval_data[0]) if eval_data is not None else 0
         self._orders: dict[int, torch.Tensor] = {}
-        self.start_step, state = 0, None
+        self.start_step = 0
         if cfg.resume:
             found = store.latest()
             if found is not None:
                 self.checkpoint, manifest, state = found
                 self.start_step = int(manifest["step"])
+                self.memory = (self.start_step, state)
                 self.history = [r for r in manifest.get("history", []) if r["step"] <= self.start_step]
         refs = tuple(ray.put(x.numpy() if x.dtype != torch.bfloat16 else x) for x in train_data)
         eval_refs = tuple(ray.put(x.numpy() if x.dtype != torch.bfloat16 else x) for x in eval_data) if eval_data else (None, None)
-        use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
-        self.group = WorkerGroup(cfg, (model, loss_fn, optimizer, *refs, *eval_refs), state, use_gpu)
+        self.use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
+        self.bundle = worker_bundle(cfg, self.use_gpu)
+        self.worker_args = (model, loss_fn, optimizer, *refs, *eval_refs)
+        self.group: WorkerGroup | None = None
+        self.recovering: tuple[dict[str, Any], float] | None = None
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
@@ -152,10 +163,72 @@ class _Run:
         return self._orders[epoch]
 
     def run(self) -> Result:
+        self.progress = Progress(self.total, self.cfg.progress)
         try:
-            return self._loop()
+            while True:
+                try:
+                    if self.group is None:
+                        self.group = WorkerGroup(self.cfg, self.cfg.workers, self.worker_args, self.memory and self.memory[1], self.use_gpu)
+                    return self._loop()
+                except (WorkerLostError, StepTimeoutError, FormationError, _Regroup) as exc:
+                    self._recover(exc)
         finally:
+            self.progress.close()
+            if self.group is not None:
+                self.group.shutdown()
+
+    def _recover(self, exc: Exception) -> None:
+        """Cold restart: kill the group, re-form it with the workers the cluster can host, restore the newest state."""
+        detected = time.monotonic()
+        grow = isinstance(exc, _Regroup)
+        failed_step = self.history[-1]["step"] if self.history else self.start_step
+        record = {
+            "time": time.time(), "step": failed_step, "ranks": getattr(exc, "ranks", []), "nodes": getattr(exc, "nodes", []),
+            "cause": "capacity returned" if grow else str(exc).splitlines()[0], "kind": type(exc).__name__.lstrip("_"),
+            "path": "cold", "world_before": self.group.world if self.group else 0,
+        }
+        if grow:
+            self.store.wait()  # the checkpoint to grow from must be fetched before its rank 0 goes
+        if self.group is not None:
             self.group.shutdown()
+            self.group = None
+        self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done
+        failures = [r for r in self.restarts if r["kind"] != "Regroup"]
+        if not grow and len(failures) >= self.cfg.max_restarts:
+            raise RestartsExhaustedError(
+                f"training failed {len(failures) + 1} times, more than max_restarts={self.cfg.max_restarts}; last failure: "
+                f"{record['cause']}. The newest checkpoint is {self.checkpoint}: fit(..., resume=True) continues from it"
+            ) from exc
+        print(f"raympi: {record['cause']}; restarting from step {self.memory[0] if self.memory else 0}", file=sys.stderr)
+        step, state = self.memory if self.memory else (0, None)
+        self.group = self._regroup(state)
+        self.start_step = step
+        self.history = [r for r in self.history if r["step"] <= step]
+        record.update(world_after=self.group.world, steps_lost=failed_step - step, restored_step=step)
+        self.restarts.append(record)
+        self.recovering = (record, detected)
+
+    def _regroup(self, state: dict[str, Any] | None) -> WorkerGroup:
+        """As many workers as the cluster can host, from min_workers to workers, waiting up to restart_timeout_s."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.restart_timeout_s
+        last_error: Exception | None = None
+        while True:
+            world = min(cfg.workers, cluster_capacity(self.bundle))
+            remaining = deadline - time.monotonic()
+            if world >= cfg.min_workers:
+                try:
+                    return WorkerGroup(cfg, world, self.worker_args, state, self.use_gpu, place_timeout_s=min(5.0, max(1.0, remaining)))
+                except (CapacityError, WorkerLostError, FormationError) as exc:  # a node went away meanwhile: count again
+                    last_error = exc
+            if remaining <= 0:
+                why = (f"the cluster can host {world} worker(s) of {self.bundle}, fewer than min_workers={cfg.min_workers}"
+                       if world < cfg.min_workers else f"re-forming {world} worker(s) kept failing (last: {last_error})")
+                raise CapacityError(
+                    f"after the failure {why}, and no way forward was found within restart_timeout_s={cfg.restart_timeout_s:g} s. "
+                    f"The newest checkpoint is {self.checkpoint}: fit(..., resume=True) continues from it"
+                )
+            time.sleep(min(1.0, max(0.05, remaining)))
 
     def _boundary(self, step: int) -> int:
         """The first step after ``step`` at which something must happen (epoch end, eval, checkpoint, end)."""
@@ -172,7 +245,7 @@ class _Run:
         return step % every == 0 if every else step % self.spe == 0 or step == self.total
 
     def _submit(self, first: int, count: int) -> dict[str, Any]:
-        world = self.cfg.workers
+        world = self.group.world
         shards: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for s in range(first, first + count):
             epoch, i = divmod(s, self.spe)
@@ -180,8 +253,8 @@ class _Run:
             for rank, part in enumerate(data.rank_slices(batch, world)):
                 shards[rank].append(part)
         actors = self.group.actors
-        chunk = {"first": first, "last": first + count, "refs": [a.run.remote(shards[r], self.cfg.batch_size) for r, a in enumerate(actors)]}
         last = first + count
+        chunk = {"first": first, "last": last, "refs": [a.run.remote(shards[r], self.cfg.batch_size) for r, a in enumerate(actors)]}
         if self._wants_eval(last):
             parts = torch.tensor_split(torch.arange(self.eval_size), world)
             chunk["eval"] = [a.evaluate.remote(parts[r]) for r, a in enumerate(actors)]
@@ -191,52 +264,58 @@ class _Run:
 
     def _loop(self) -> Result:
         cfg = self.cfg
-        progress = Progress(self.total, cfg.progress)
         inflight: deque[dict[str, Any]] = deque()
         next_step, chunk_size, last_done = self.start_step, 1, time.monotonic()
-        final_state_ref = None
         while next_step < self.total or inflight:
             while len(inflight) < 2 and next_step < self.total:
                 count = min(chunk_size, self._boundary(next_step) - next_step)
                 inflight.append(self._submit(next_step, count))
                 next_step += count
             chunk = inflight.popleft()
-            deadline = max(last_done, time.monotonic()) + cfg.step_timeout_s
-            steps = self.group.gather(chunk["refs"], deadline, f"steps {chunk['first'] + 1}-{chunk['last']}", "step_timeout_s")[0]
+            # The first step of a new group also warms up torch.func and MPI's connections: startup time.
+            field = "startup_timeout_s" if chunk["first"] == self.start_step else "step_timeout_s"
+            deadline = max(last_done, time.monotonic()) + getattr(cfg, field)
+            steps = self.group.gather(chunk["refs"], deadline, f"steps {chunk['first'] + 1}-{chunk['last']}", field)[0]
             now = time.monotonic()
             count = chunk["last"] - chunk["first"]
             seconds = max(1e-9, now - last_done)
             last_done = now
             chunk_size = max(1, min(MAX_CHUNK, int(CHUNK_SECONDS * count / seconds)))
             records = [{"step": chunk["first"] + k + 1, "epoch": (chunk["first"] + k) // self.spe, **m,
-                        "samples_per_s": cfg.batch_size * count / seconds, "world_size": cfg.workers, "time": time.time()}
+                        "samples_per_s": cfg.batch_size * count / seconds, "world_size": self.group.world, "time": time.time()}
                        for k, m in enumerate(steps)]
+            if self.recovering:
+                record, detected = self.recovering
+                record["recovery_s"] = now - detected  # failure noticed -> first step completed after it
+                self.recovering = None
             if "eval" in chunk:
                 records[-1].update(self.group.gather(chunk["eval"], time.monotonic() + cfg.step_timeout_s, "evaluation", "step_timeout_s")[0])
             self.history.extend(records)
-            progress.update(chunk["last"], records[-1], force="eval" in chunk or chunk["last"] == self.total)
+            self.progress.update(chunk["last"], records[-1], force="eval" in chunk or chunk["last"] == self.total)
             if "state" in chunk:
-                final_state_ref = chunk["state"]
                 self._save(chunk["state"], chunk["last"])
-        progress.close()
-        if final_state_ref is None:  # resumed at the very end: nothing left to run
-            final_state_ref = self.group.actors[0].state_dict.remote()
-        state = TrainState.from_dict(ray.get(final_state_ref, timeout=cfg.step_timeout_s))
+                if chunk["last"] < self.total and self.group.world < cfg.workers and cluster_capacity(self.bundle) > self.group.world:
+                    raise _Regroup()
         self.store.wait()
+        state = TrainState.from_dict(self.memory[1])
         self._write_reports()
         self.model.load_state_dict({**state.params, **state.buffers}, strict=False)
-        return Result(state=state, model=self.model, metrics=self.history, checkpoint=self.checkpoint, restarts=[])
+        return Result(state=state, model=self.model, metrics=self.history, checkpoint=self.checkpoint, restarts=self.restarts)
 
     def _save(self, state_ref: Any, step: int) -> None:
         epoch, in_epoch = divmod(step, self.spe)
         manifest = {
             "step": step, "epoch": epoch, "cursor": {"epoch": epoch, "step_in_epoch": in_epoch},
-            "world_size": self.cfg.workers, "metrics": self.history[-1] if self.history else {},
-            "config": _plain_config(self.cfg), "history": self.history, "saved_at": time.time(),
+            "world_size": self.group.world, "metrics": self.history[-1] if self.history else {},
+            "config": _plain_config(self.cfg), "history": self.history, "restarts": self.restarts, "saved_at": time.time(),
         }
-        future = self.store.save_async(state_ref, manifest)
-        future.add_done_callback(lambda f: setattr(self, "checkpoint", f.result()) if not f.exception() else None)
+        self.store.save_async(state_ref, manifest, on_saved=self._saved)
         self._write_reports(plot=False)
+
+    def _saved(self, path: str, step: int, state: dict[str, Any]) -> None:
+        """Called by the writer thread once a checkpoint is on disk."""
+        if self.memory is None or step >= self.memory[0]:
+            self.memory, self.checkpoint = (step, state), path
 
     def _write_reports(self, plot: bool = True) -> None:
         write_jsonl(self.history, self.store.file("metrics.jsonl"), self.store.fs)

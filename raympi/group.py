@@ -18,22 +18,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raympi import comm
 from raympi.config import FitConfig
-from raympi.exceptions import RaympiError, TrainingError
+from raympi.exceptions import CapacityError, RaympiError, StepTimeoutError, TrainingError, WorkerLostError
 from raympi.worker import Worker
 
-__all__ = ["WorkerGroup", "WorkerLostError", "StepTimeoutError", "CapacityError", "cluster_capacity"]
+__all__ = ["WorkerGroup", "cluster_capacity", "worker_bundle"]
 
 
-class CapacityError(RaympiError):
-    """The cluster cannot host the requested workers."""
-
-
-class WorkerLostError(RaympiError):
-    """A worker actor or its node died."""
-
-
-class StepTimeoutError(RaympiError):
-    """A rank made no progress within ``step_timeout_s``."""
+def worker_bundle(cfg: FitConfig, use_gpu: bool) -> dict[str, float]:
+    """The resources one worker holds."""
+    bundle = dict(cfg.resources_per_worker)
+    if use_gpu:
+        bundle["GPU"] = max(1.0, bundle.get("GPU", 0.0))
+    return bundle
 
 
 def cluster_capacity(bundle: dict[str, float]) -> int:
@@ -49,29 +45,32 @@ def cluster_capacity(bundle: dict[str, float]) -> int:
 class WorkerGroup:
     """``cfg.workers`` :class:`~raympi.worker.Worker` actors joined into one MPI communicator."""
 
-    def __init__(self, cfg: FitConfig, worker_args: tuple, state: Any, use_gpu: bool) -> None:
+    def __init__(self, cfg: FitConfig, world: int, worker_args: tuple, state: Any, use_gpu: bool, place_timeout_s: float | None = None) -> None:
         self.cfg = cfg
+        self.world = world
         self.actors: list[Any] = []
+        self.hosts: list[str] = []
+        self.nodes: list[str] = []
         self.pg = None
         deadline = time.monotonic() + cfg.startup_timeout_s
-        bundle = dict(cfg.resources_per_worker)
-        if use_gpu:
-            bundle["GPU"] = max(1.0, bundle.get("GPU", 0.0))
+        bundle = worker_bundle(cfg, use_gpu)
         try:
-            self._place(bundle, deadline)
-            nodes = placement_group_table(self.pg)["bundles_to_node_id"]
-            env = {**cfg.mpi.environment(multi_host=len(set(nodes.values())) > 1)}
+            self._place(bundle, min(deadline, time.monotonic() + (place_timeout_s or cfg.startup_timeout_s)))
+            node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
+            self.nodes = [node_of_bundle[i] for i in range(world)]
+            ip_of = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
+            env = {**cfg.mpi.environment(multi_host=len({ip_of.get(n) for n in self.nodes}) > 1)}
             threads = cfg.torch_threads or max(1, int(bundle.get("CPU", 1)))
             env["OMP_NUM_THREADS"] = str(threads)
-            cls = ray.remote(Worker)
+            cls = ray.remote(concurrency_groups={"health": 1})(Worker)
             self.actors = [
                 cls.options(
                     num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                     resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                     runtime_env={"env_vars": env}, max_restarts=0,
-                ).remote(*worker_args, "cuda" if use_gpu else "cpu", threads)
-                for i in range(cfg.workers)
+                ).remote(*worker_args, i, "cuda" if use_gpu else "cpu", threads)
+                for i in range(world)
             ]
             self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", "startup_timeout_s")
             members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=cfg.bucket_bytes)
@@ -84,15 +83,15 @@ class WorkerGroup:
 
     def _place(self, bundle: dict[str, float], deadline: float) -> None:
         can_host = cluster_capacity(bundle)
-        if can_host < self.cfg.workers:
+        if can_host < self.world:
             raise CapacityError(
-                f"the Ray cluster can host {can_host} worker(s) of {bundle}, not workers={self.cfg.workers}: "
+                f"the Ray cluster can host {can_host} worker(s) of {bundle}, not workers={self.world}: "
                 "lower workers or resources_per_worker, or add nodes"
             )
-        self.pg = placement_group([dict(bundle) for _ in range(self.cfg.workers)], strategy=self.cfg.placement_strategy)
+        self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy=self.cfg.placement_strategy)
         if not self.pg.wait(max(0.1, deadline - time.monotonic())):
             raise CapacityError(
-                f"{self.cfg.workers} worker(s) of {bundle} could not be placed within "
+                f"{self.world} worker(s) of {bundle} could not be placed within "
                 f"startup_timeout_s={self.cfg.startup_timeout_s:g} s (the cluster has room for {can_host} when idle: "
                 "other jobs hold the rest); raise startup_timeout_s or free resources"
             )
@@ -104,17 +103,26 @@ class WorkerGroup:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                stuck = sorted(rank_of[r] for r in pending)
+                stuck = self.silent(sorted(rank_of[r] for r in pending))
                 limit = getattr(self.cfg, field)
-                error = StepTimeoutError if field == "step_timeout_s" else CapacityError
-                raise error(f"{what}: rank(s) {stuck} made no progress within {field}={limit:g} s (hung process, cut link, or too small a deadline)")
+                error = StepTimeoutError if field == "step_timeout_s" or what.startswith("steps") else CapacityError
+                raise self._tag(error(f"{what}: rank(s) {stuck} made no progress within {field}={limit:g} s (hung process, cut link, or too small a deadline)"), stuck)
             done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             for ref in done:
                 self._check(ref, rank_of[ref], what)
         return ray.get(list(refs))
 
+    def silent(self, ranks: list[int], timeout_s: float = 2.0) -> list[int]:
+        """Which of ``ranks`` do not answer a ping (stopped or cut off); all of them if every one answers."""
+        if not self.actors:
+            return ranks
+        pings = {self.actors[r].ping.remote(): r for r in ranks}
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+        quiet = sorted(set(ranks) - {pings[ref] for ref in answered})
+        return quiet or ranks
+
     def _check(self, ref: Any, rank: int, what: str) -> None:
-        host = self.hosts[rank] if getattr(self, "hosts", None) else "?"
+        host = self.hosts[rank] if self.hosts else "?"
         try:
             ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
@@ -124,7 +132,23 @@ class WorkerGroup:
             trace = re.sub(r"\x1b\[[0-9;]*m", "", getattr(exc, "traceback_str", "") or str(exc))
             raise TrainingError(f"{what}: rank {rank} on {host} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}") from None
         except ray.exceptions.RayActorError as exc:
-            raise WorkerLostError(f"{what}: rank {rank} on {host} died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+            if what.startswith("starting") and self._node_alive(rank):
+                raise TrainingError(
+                    f"{what}: rank {rank} died on a live node before it could run ({str(exc).splitlines()[0]}). "
+                    "Workers die like this when they cannot unpickle the model, loss or optimizer: make the modules "
+                    "that define them importable on every node (ray.init(runtime_env={'working_dir': ...} or 'py_modules'))"
+                ) from None
+            raise self._tag(WorkerLostError(f"{what}: rank {rank} on {host} died ({type(exc).__name__}: {str(exc).splitlines()[0]})"), [rank]) from None
+
+    def _tag(self, error: RaympiError, ranks: list[int]) -> RaympiError:
+        """Attach which ranks and nodes failed (the driver's failure record reads them)."""
+        error.ranks = ranks  # type: ignore[attr-defined]
+        error.nodes = [self.nodes[r] for r in ranks if r < len(self.nodes)]  # type: ignore[attr-defined]
+        return error
+
+    def _node_alive(self, rank: int) -> bool:
+        node = self.nodes[rank] if rank < len(self.nodes) else None
+        return any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
 
     def shutdown(self) -> None:
         """Kill every actor and release the placement group (idempotent)."""

@@ -3,8 +3,9 @@
 This is the update half of the functional core: ``train_step`` computes a
 gradient tree and hands it to the optimizer, which returns new parameters
 and a new optimizer state.  Nothing here touches Ray or MPI, and nothing
-mutates its inputs: every function returns new tensors, so a ``TrainState``
-can be reused, compared or checkpointed at any point.
+mutates its inputs unless told it may (``donate``): functions return new
+tensors, so a ``TrainState`` can be reused, compared or checkpointed at any
+point.
 
 * An optimizer is a :class:`GradientTransformation`: ``init(params)`` returns
   the optimizer state; ``update(grads, state, params)`` returns
@@ -15,6 +16,11 @@ can be reused, compared or checkpointed at any point.
   ``from_torch``, and a ``chain`` ending in one) it computes the new
   parameters straight away: two fewer passes over memory, and the very
   arithmetic of its ``torch.optim`` twin.  ``train_step`` uses it.
+* ``donate=True`` (as JAX's buffer donation) lets ``apply_gradients`` write
+  the new parameters and optimizer state into the old ones' memory, for a
+  caller that drops the old state anyway: no second copy of the parameters
+  and optimizer state, and no fresh allocations (which on the CPU cost page
+  faults every step).  The default never mutates anything.
 * Optimizer states are plain ``dict`` / ``tuple`` trees of tensors (no custom
   classes), so they go through ``torch.save`` / ``torch.load(weights_only=True)``
   and ``torch.utils._pytree`` unchanged.  Step counters are 0-d int64 tensors
@@ -67,7 +73,7 @@ Updates = Any  # a tree of the same structure as the parameters
 OptState = Any  # a tree of dicts / tuples / tensors
 Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
-FusedApply = Callable[[Updates, OptState, Params], tuple[Params, OptState]]
+FusedApply = Callable[[Updates, OptState, Params, bool], tuple[Params, OptState]]
 
 
 class GradientTransformation(NamedTuple):
@@ -76,10 +82,11 @@ class GradientTransformation(NamedTuple):
     Attributes:
         init: ``init(params) -> state``.
         update: ``update(grads, state, params=None) -> (updates, new_state)``.
-        fused_apply: optional ``(grads, state, params) -> (new_params, new_state)``,
-            equal to ``update`` followed by :func:`apply_updates` up to rounding,
-            but computed straight into the new parameters.  Use it through
-            :func:`apply_gradients`.
+        fused_apply: optional ``(grads, state, params, donate) -> (new_params,
+            new_state)``, equal to ``update`` followed by :func:`apply_updates`
+            up to rounding, but computed straight into the new parameters; with
+            ``donate`` it may overwrite ``params`` and ``state`` (never
+            ``grads``).  Use it through :func:`apply_gradients`.
     """
 
     init: Callable[[Params], OptState]
@@ -100,6 +107,14 @@ def _lr_at(lr: ScalarOrSchedule, count: torch.Tensor) -> float:
     return float(lr(int(count))) if callable(lr) else float(lr)
 
 
+def _scale(xs: list[torch.Tensor], factor: float, donate: bool) -> list[torch.Tensor]:
+    """``xs * factor``, in place when the caller donated ``xs``."""
+    if donate:
+        torch._foreach_mul_(xs, factor)
+        return xs
+    return list(torch._foreach_mul(xs, factor))
+
+
 def _check_nonneg(name: str, value: Any) -> None:
     if not callable(value) and value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
@@ -111,7 +126,7 @@ def _from_fused(init: Callable[[Params], OptState], fused: FusedApply) -> Gradie
     def update(grads, state, params=None):
         if params is None:
             raise ValueError("this optimizer needs params: call update(grads, state, params)")
-        new, state = fused(grads, state, params)
+        new, state = fused(grads, state, params, False)
         p, spec = _tree.flatten(params)
         return _tree.unflatten(list(torch._foreach_sub(_tree.leaves(new), p)), spec), state
 
@@ -137,7 +152,12 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
 
 def apply_gradients(
-    optimizer: GradientTransformation, grads: Updates, state: OptState, params: Params
+    optimizer: GradientTransformation,
+    grads: Updates,
+    state: OptState,
+    params: Params,
+    *,
+    donate: bool = False,
 ) -> tuple[Params, OptState]:
     """One optimizer step: new parameters and new optimizer state.
 
@@ -149,9 +169,11 @@ def apply_gradients(
         grads: the gradient tree, shaped like ``params``.
         state: the optimizer state, from ``init`` or a previous step.
         params: the current parameters.
+        donate: allow writing the results into the memory of ``params`` and
+            ``state``, which the caller must then no longer use.
 
     Returns:
-        ``(new_params, new_state)``; the inputs are left untouched.
+        ``(new_params, new_state)``; without ``donate`` the inputs are left untouched.
 
     Example:
         >>> opt = sgd(0.1)
@@ -160,8 +182,12 @@ def apply_gradients(
         {'w': tensor([0.9000, 0.9000])}
     """
     if optimizer.fused_apply is not None:
-        return optimizer.fused_apply(grads, state, params)
+        return optimizer.fused_apply(grads, state, params, donate)
     updates, state = optimizer.update(grads, state, params)
+    if donate:
+        p = _tree.leaves(params)
+        torch._foreach_add_(p, _tree.leaves(updates))
+        return params, state
     return apply_updates(params, updates), state
 
 
@@ -193,12 +219,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return grads, tuple(new_state)
 
-    def fused_apply(grads, state, params):
+    def fused_apply(grads, state, params, donate=False):
         new_state = []
         for t, s in zip(transforms[:-1], state):
             grads, s = t.update(grads, s, params)
             new_state.append(s)
-        new_params, s = apply_gradients(transforms[-1], grads, state[-1], params)
+        new_params, s = apply_gradients(transforms[-1], grads, state[-1], params, donate=donate)
         return new_params, tuple(new_state + [s])
 
     return GradientTransformation(init, update, fused_apply)
@@ -280,7 +306,7 @@ def sgd(
             state["trace"] = _tree.map(torch.zeros_like, params)
         return state
 
-    def fused_apply(grads, state, params):
+    def fused_apply(grads, state, params, donate=False):
         g, spec = _tree.flatten(grads)
         p = _tree.leaves(params)
         value = _lr_at(lr, state["count"])
@@ -288,12 +314,14 @@ def sgd(
         if weight_decay:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         if momentum:
-            buf = torch._foreach_mul(_tree.leaves(state["trace"]), momentum)
-            torch._foreach_add_(buf, g)  # buf is fresh: in place is safe
-            new_state["trace"] = _tree.unflatten(list(buf), spec)
+            buf = _scale(_tree.leaves(state["trace"]), momentum, donate)
+            torch._foreach_add_(buf, g)  # buf is fresh or donated: in place is safe
+            new_state["trace"] = _tree.unflatten(buf, spec)
             g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
-        new = torch._foreach_add(p, g, alpha=-value)
-        return _tree.unflatten(list(new), spec), new_state
+        if donate:
+            torch._foreach_add_(p, g, alpha=-value)
+            return params, new_state
+        return _tree.unflatten(list(torch._foreach_add(p, g, alpha=-value)), spec), new_state
 
     return _from_fused(init, fused_apply)
 
@@ -315,7 +343,7 @@ def _adam(
             "nu": _tree.map(torch.zeros_like, params),
         }
 
-    def fused_apply(grads, state, params):
+    def fused_apply(grads, state, params, donate=False):
         g, spec = _tree.flatten(grads)
         p = _tree.leaves(params)
         value = _lr_at(lr, state["count"])
@@ -323,25 +351,28 @@ def _adam(
         t = int(count)
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
-        mu = torch._foreach_lerp(_tree.leaves(state["mu"]), g, 1 - b1)
-        nu = torch._foreach_mul(_tree.leaves(state["nu"]), b2)
-        torch._foreach_addcmul_(nu, g, g, value=1 - b2)  # nu is fresh: in place is safe
+        mu, nu = _tree.leaves(state["mu"]), _tree.leaves(state["nu"])
+        if donate:
+            torch._foreach_lerp_(mu, g, 1 - b1)
+        else:
+            mu = list(torch._foreach_lerp(mu, g, 1 - b1))
+        nu = _scale(nu, b2, donate)
+        torch._foreach_addcmul_(nu, g, g, value=1 - b2)  # nu is fresh or donated
         # Bias corrections as Python floats, as torch does when not capturable.
         bc1, bc2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
         denom = torch._foreach_sqrt(nu)
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
         if weight_decay and decoupled:
-            new = torch._foreach_mul(p, 1 - value * weight_decay)
+            new = _scale(p, 1 - value * weight_decay, donate)
+            torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
+        elif donate:
+            new = p
             torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
         else:
-            new = torch._foreach_addcdiv(p, mu, denom, value=-value / bc1)
-        new_state = {
-            "count": count,
-            "mu": _tree.unflatten(list(mu), spec),
-            "nu": _tree.unflatten(list(nu), spec),
-        }
-        return _tree.unflatten(list(new), spec), new_state
+            new = list(torch._foreach_addcdiv(p, mu, denom, value=-value / bc1))
+        new_state = {"count": count, "mu": _tree.unflatten(mu, spec), "nu": _tree.unflatten(nu, spec)}
+        return _tree.unflatten(new, spec), new_state
 
     return _from_fused(init, fused_apply)
 
@@ -432,7 +463,8 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Gra
             raise TypeError("from_torch needs params as a flat dict name -> tensor")
         return {"count": _new_count(), "state": {}}
 
-    def fused_apply(grads, state, params):
+    def fused_apply(grads, state, params, donate=False):
+        # Always works on copies: donation would save little next to the rest.
         names = list(params)
         copies = [params[n].detach().clone() for n in names]
         ctor = dict(kwargs)

@@ -13,12 +13,14 @@ import warnings
 from typing import Any, Callable
 
 import numpy as np
+import ray
 import torch
 import torch.nn.functional as F
 
-from raympi import _tree, comm
+from raympi import _mpi, _tree, comm
 from raympi._state import TrainState
 from raympi._step import make_eval_step, make_train_step
+from raympi.exceptions import WorkerLostError
 
 __all__ = ["Worker", "accuracy"]
 
@@ -42,11 +44,11 @@ class Worker(comm.Member):
     """One rank: call :meth:`setup` after :func:`raympi.comm.form`, then :meth:`run` chunks of steps."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, optimizer: Any, inputs: Any, targets: Any,
-                 eval_inputs: Any, eval_targets: Any, device: str, torch_threads: int | None) -> None:
+                 eval_inputs: Any, eval_targets: Any, rank: int, device: str, torch_threads: int | None) -> None:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.host = socket.gethostname()
-        self.rank = -1
+        self.rank = rank  # the rank this actor will get; Ray tags its printed lines with it (see __repr__)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.model = model.to(self.device)
         self.loss_fn = loss_fn or F.cross_entropy
@@ -57,12 +59,13 @@ class Worker(comm.Member):
         self.state: TrainState | None = None
 
     def __repr__(self) -> str:  # Ray tags this actor's printed lines with it
-        return f"rank {self.rank} on {getattr(self, 'host', '?')}"
+        return f"rank {getattr(self, 'rank', '?')} on {getattr(self, 'host', '?')}"
 
     def setup(self, state: dict[str, Any] | None, seed: int) -> int:
         """Build the step functions over the communicator; start from ``state`` or from the model."""
         assert self.comm is not None, "form the communicator first"
-        self.rank = self.comm.rank
+        assert self.comm.rank == self.rank, (self.comm.rank, self.rank)
+        self.comm.mpi.Set_errhandler(_mpi.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
         self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer,
                                           grad_sync=self.comm.allreduce_, rank=self.rank)
         self.eval_step = make_eval_step(self.model, {"loss": self.loss_fn, "accuracy": accuracy})
@@ -79,8 +82,12 @@ class Worker(comm.Member):
     def run(self, shards: list[torch.Tensor], global_batch_size: int) -> list[dict[str, Any]] | None:
         """Take one step per entry of ``shards`` (this rank's sample indices); rank 0 returns the metrics."""
         history = []
+        MPI = _mpi.require()
         for index in shards:
-            self.state, metrics = self.train_step(self.state, self._batch(self.inputs, self.targets, index), global_batch_size)
+            try:
+                self.state, metrics = self.train_step(self.state, self._batch(self.inputs, self.targets, index), global_batch_size)
+            except MPI.Exception as exc:  # a peer died or was cut off: infrastructure, not the user's code
+                raise WorkerLostError(f"rank {self.rank} on {self.host}: a collective failed ({exc.Get_error_string()}), a peer is gone") from None
             history.append(metrics)
         return history if self.rank == 0 else None
 
@@ -94,6 +101,11 @@ class Worker(comm.Member):
         summed = self.comm.allreduce_([torch.tensor(list(totals.values()), dtype=torch.float64)])[0].tolist()
         loss, correct, samples = summed
         return {"eval_loss": loss / samples, "eval_accuracy": correct / samples} if self.rank == 0 else None
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> int:
+        """Answered from its own thread even while a step blocks in MPI: silence means a hung process."""
+        return os.getpid()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain CPU tensors (what a checkpoint holds)."""

@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session():
     """A private local Ray instance (never a stale cluster recorded on the machine)."""
     import ray

@@ -14,7 +14,7 @@ from torch import nn
 
 import raympi
 from raympi.exceptions import ConfigError, TrainingError
-from raympi.group import CapacityError
+from raympi.exceptions import CapacityError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

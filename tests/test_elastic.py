@@ -1,0 +1,213 @@
+"""Elastic fault tolerance on a real multi-node Ray cluster (ray.cluster_utils.Cluster), real MPI.
+
+Failures are real: a node removed (its raylet and processes killed), a worker process
+killed with SIGKILL or stopped with SIGSTOP, an exception in the user's model.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import threading
+import time
+from unittest import mock
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import raympi
+from raympi.exceptions import CapacityError, RestartsExhaustedError, TrainingError
+
+N = 2048
+OPTIONS = dict(epochs=4, batch_size=32, checkpoint_every=10, progress=False, seed=1,
+               optimizer=raympi.optim.sgd(0.05, momentum=0.9), step_timeout_s=4.0, restart_timeout_s=20.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node with no CPUs (the driver) and three single-CPU worker nodes."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    c.workers = [c.add_node(num_cpus=1) for _ in range(3)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="ERROR")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(cluster):
+    """After every test: three live nodes again, and no raympi worker or MPI process left alive."""
+    yield
+    while len(cluster.workers) < 3:
+        cluster.workers.append(cluster.add_node(num_cpus=1))
+    cluster.wait_for_nodes()
+    deadline = time.monotonic() + 20
+    while _workers() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _workers() == [], "raympi worker processes outlived the run"
+
+
+def _workers() -> list[psutil.Process]:
+    """Live processes of raympi Worker actors (Ray titles them 'ray::Worker...')."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0].startswith("ray::Worker") and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return found
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 20, generator=g)
+    return x, (x[:, 0] + x[:, 1] > 0).long()
+
+
+def _net() -> nn.Module:
+    class Slow(nn.Sequential):  # defined here so it is pickled by value: the workers cannot import tests/
+        """A small MLP that takes at least 20 ms a step, so failures land mid-run on any machine."""
+
+        def forward(self, x):
+            time.sleep(0.02)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    return Slow(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2))
+
+
+def _when_checkpoint(folder: pathlib.Path, step: int, action, timeout: float = 120.0) -> threading.Thread:
+    """Run ``action()`` once the checkpoint of ``step`` exists: a failure in the middle of training."""
+    def wait_then_act():
+        deadline = time.monotonic() + timeout
+        while not (folder / f"step-{step:08d}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        action()
+
+    thread = threading.Thread(target=wait_then_act, daemon=True)
+    thread.start()
+    return thread
+
+
+def _signal_one_worker(sig: int) -> None:
+    victim = sorted(_workers(), key=lambda p: p.pid)[1]
+    os.kill(victim.pid, sig)
+
+
+def _max_diff(a, b) -> float:
+    return max((a.params[k] - b.params[k]).abs().max().item() for k in a.params)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    return raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(tmp_path_factory.mktemp("base")), **OPTIONS)
+
+
+def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrupted, tmp_path):
+    folder = tmp_path / "ck"
+    lost = cluster.workers.pop()
+    added, done = [], threading.Event()
+
+    def add_back_when_shrunk():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any(r.get("world_size") == 2 for r in _manifest_metrics(folder)):
+                # Cluster.add_node installs a SIGTERM handler, which only the main thread may do; and
+                # Ray ties the new node's processes to the life of this thread (PR_SET_PDEATHSIG), so it waits.
+                with mock.patch("ray._private.utils.set_sigterm_handler", lambda handler: None):
+                    added.append(cluster.add_node(num_cpus=1))
+                break
+            time.sleep(0.05)
+        done.wait(300)
+
+    _when_checkpoint(folder, 20, lambda: (cluster.remove_node(lost), add_back_when_shrunk()))
+    try:
+        result = raympi.fit(_net(), _data(), workers=3, min_workers=2, checkpoint_dir=str(folder), **OPTIONS)
+    finally:
+        for node in added:
+            cluster.remove_node(node)
+        done.set()
+
+    lost_record = result.restarts[0]
+    assert lost_record["kind"] == "WorkerLostError" and lost_record["world_before"] == 3 and lost_record["world_after"] == 2
+    assert lost_record["restored_step"] >= 20 and lost_record["steps_lost"] >= 0
+    assert 0 < lost_record["recovery_s"] < 30
+    assert [r["kind"] for r in result.restarts[1:]] == ["Regroup"]  # capacity came back: grown to 3 again
+    worlds = [r["world_size"] for r in result.metrics]
+    assert 2 in worlds and worlds[-1] == 3
+    assert [r["step"] for r in result.metrics] == list(range(1, len(result.metrics) + 1))
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+def _manifest_metrics(folder: pathlib.Path) -> list[dict]:
+    import json
+
+    out = []
+    for manifest in folder.glob("step-*/manifest.json"):
+        try:
+            out.append(json.loads(manifest.read_text())["metrics"])
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+@pytest.mark.parametrize("sig, kind", [(signal.SIGKILL, "WorkerLostError"), (signal.SIGSTOP, "StepTimeoutError")])
+def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, sig, kind):
+    folder = tmp_path / "ck"
+    _when_checkpoint(folder, 20, lambda: _signal_one_worker(sig))
+    result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **OPTIONS)
+    assert [r["kind"] for r in result.restarts] == [kind]
+    record = result.restarts[0]
+    assert record["world_after"] == 3 and record["restored_step"] >= 20
+    assert record["recovery_s"] < 30
+    if sig == signal.SIGSTOP:
+        assert "step_timeout_s=4" in record["cause"] and len(record["ranks"]) == 1  # the stopped rank, found by ping
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+def test_user_exception_fails_fast_without_restart(cluster, tmp_path):
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2))
+
+        def forward(self, x):
+            if (x[:, 0] == 999).any():
+                raise ValueError("sample 999 is poisoned")
+            return self.net(x)
+
+    x, y = _data()
+    x[1500, 0] = 999  # reached some way into the first epoch, on one rank only
+    start = time.monotonic()
+    with pytest.raises(TrainingError, match=r"rank \d on \S+ raised ValueError: sample 999 is poisoned") as info:
+        raympi.fit(Picky(), (x, y), workers=3, checkpoint_dir=str(tmp_path), **OPTIONS)
+    assert "Traceback on rank" in str(info.value) and "in forward" in str(info.value)
+    assert time.monotonic() - start < 60
+
+
+def test_more_failures_than_max_restarts(cluster, tmp_path):
+    folder = tmp_path / "ck"
+    _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGKILL))
+    with pytest.raises(RestartsExhaustedError, match="max_restarts=0.*resume=True"):
+        raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **{**OPTIONS, "max_restarts": 0})
+    assert raympi.load_checkpoint(str(folder)).step.item() >= 20
+
+
+def test_cluster_below_min_workers(cluster, tmp_path):
+    folder = tmp_path / "ck"
+    lost = cluster.workers.pop()
+    _when_checkpoint(folder, 20, lambda: cluster.remove_node(lost))
+    start = time.monotonic()
+    with pytest.raises(CapacityError, match=r"fewer than min_workers=3, and no way forward was found within restart_timeout_s=3 s"):
+        raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **{**OPTIONS, "restart_timeout_s": 3.0})
+    assert time.monotonic() - start < 90
+    assert raympi.load_checkpoint(str(folder)).step.item() >= 20

@@ -1,0 +1,404 @@
+"""train_step / eval_step against plain PyTorch, the global-batch rule, purity, and errors."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raympi import _tree, optim
+from raympi._state import TrainState
+from raympi._step import _step_seed, make_eval_step, make_train_step
+from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
+
+torch.set_num_threads(1)
+
+
+def _mlp(dropout: float = 0.0, batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(10, 32)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(32))
+    layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4)]
+    return nn.Sequential(*layers)
+
+
+def _batch(step: int, n: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(n, 10, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _close(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k].detach(), rtol=tol, atol=tol, msg=k)
+
+
+def _assert_identical(a, b) -> None:
+    la, sa = _tree.flatten(a)
+    lb, sb = _tree.flatten(b)
+    assert sa == sb
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+# --------------------------------------------------------------------------- against plain PyTorch
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (lambda: optim.sgd(0.05, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+        (lambda: optim.adamw(1e-3), lambda p: torch.optim.AdamW(p, lr=1e-3)),
+    ],
+    ids=["sgd_momentum", "adamw"],
+)
+def test_matches_plain_pytorch_loop(ours, theirs):
+    """50 steps, BatchNorm and dropout included; the reference seeds dropout like train_step."""
+    model = _mlp(dropout=0.2, batchnorm=True)
+    opt = ours()
+    state = TrainState.create(model, opt, seed=5)
+    step_fn = make_train_step(model, F.cross_entropy, opt)
+
+    ref = copy.deepcopy(model).train()
+    ref_opt = theirs(ref.parameters())
+    for step in range(50):
+        x, y = _batch(step)
+        state, metrics = step_fn(state, (x, y))
+
+        torch.manual_seed(_step_seed(5, step, 0))
+        ref_opt.zero_grad()
+        out = ref(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        ref_opt.step()
+        assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert metrics["accuracy"] == (out.argmax(1) == y).sum().item() / 24
+        assert metrics["samples"] == 24
+    assert int(state.step) == 50
+    _close(state.params, dict(ref.named_parameters()), 1e-5)
+    _close(state.buffers, dict(ref.named_buffers()), 1e-5)
+
+
+# --------------------------------------------------------------------------- the global-batch rule
+
+
+class _ThreadAllreduce:
+    """In-process stand-in for MPI Allreduce(SUM): one thread per simulated rank."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world)
+        self.slots: list = [None] * world
+
+    def for_rank(self, rank: int):
+        def grad_sync(tree):
+            leaves, spec = _tree.flatten(tree)
+            self.slots[rank] = leaves
+            self.barrier.wait()
+            # Every rank sums in rank order, so all ranks get bit-identical results.
+            summed = [sum(parts[1:], parts[0]) for parts in zip(*self.slots)]
+            self.barrier.wait()  # nobody overwrites a slot before all have read
+            return _tree.unflatten(summed, spec)
+
+        return grad_sync
+
+
+def _train_split(sizes: list[int], steps: int = 20):
+    """Train on the same global batches split as ``sizes``; one thread per rank."""
+    world, total = len(sizes), sum(sizes)
+    allreduce = _ThreadAllreduce(world)
+    results: list = [None] * world
+    errors: list = []
+    # Each rank its own module (functional_call swaps module attributes), built
+    # here: initialising in the threads would race on the global RNG.
+    models = [_mlp() for _ in range(world)]
+
+    def rank_main(rank: int):
+        try:
+            model = models[rank]
+            opt = optim.adam(1e-2)
+            state = TrainState.create(model, opt)
+            step_fn = make_train_step(model, F.cross_entropy, opt, grad_sync=allreduce.for_rank(rank), rank=rank)
+            lo = sum(sizes[:rank])
+            history = []
+            for step in range(steps):
+                x, y = _batch(step, total)
+                state, metrics = step_fn(state, (x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]), total)
+                history.append(metrics)
+            results[rank] = (state, history)
+        except BaseException as e:  # surface thread failures in the test
+            errors.append(e)
+            allreduce.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_global_batch_rule_any_split_same_update():
+    (single, single_hist), = _train_split([64])
+    for sizes in ([22, 21, 21], [16, 16, 16, 16]):
+        results = _train_split(sizes)
+        for state, history in results:
+            # Every rank holds the same state and sees the same global metrics.
+            _assert_identical(state, results[0][0])
+            assert history == results[0][1]
+        state, history = results[0]
+        _close(state.params, single.params, 1e-5)
+        for ours, ref in zip(history, single_hist):
+            assert ours["samples"] == 64
+            assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+            assert ours["accuracy"] == ref["accuracy"]
+
+
+def test_grad_sync_may_sum_in_place_and_return_none():
+    model = _mlp()
+    opt = optim.sgd(0.1)
+    state = TrainState.create(model, opt)
+    seen = []
+
+    def in_place(tree):  # world size 1: the sum is the identity
+        seen.append(tree["stats"].tolist())
+        return None
+
+    a, ma = make_train_step(model, F.cross_entropy, opt, grad_sync=in_place)(state, _batch(0))
+    b, mb = make_train_step(model, F.cross_entropy, opt)(state, _batch(0))
+    _assert_identical(a, b)
+    assert ma == mb
+    loss_sum, correct, n, n_targets = seen[0]
+    assert n == n_targets == 24 and loss_sum == pytest.approx(ma["loss"] * 24)
+
+
+def test_global_batch_size_must_match_the_samples():
+    model = _mlp()
+    state = TrainState.create(model, optim.sgd(0.1))
+    step_fn = make_train_step(model, F.cross_entropy, optim.sgd(0.1))
+    with pytest.raises(TrainingError, match="global_batch_size is 48"):
+        step_fn(state, _batch(0), 48)
+
+
+# --------------------------------------------------------------------------- purity
+
+
+def test_train_step_is_pure():
+    model = _mlp(dropout=0.3, batchnorm=True)
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
+    step_fn = make_train_step(model, F.cross_entropy, opt)
+    state = TrainState.create(model, opt, seed=1)
+    state, _ = step_fn(state, _batch(0))  # a non-trivial optimizer state
+    snapshot = _tree.map(torch.clone, state)
+    rng_before = torch.get_rng_state()
+    module_before = copy.deepcopy(model.state_dict())
+
+    first, m1 = step_fn(state, _batch(1))
+    second, m2 = step_fn(state, _batch(1))
+    _assert_identical(first, second)
+    assert m1 == m2
+    _assert_identical(state, snapshot)  # the input state is untouched
+    assert torch.equal(torch.get_rng_state(), rng_before)  # so is the global RNG
+    _assert_identical(model.state_dict(), module_before)  # and the template module
+    assert not torch.equal(first.params["0.weight"], state.params["0.weight"])
+    assert not torch.equal(first.buffers["1.running_mean"], state.buffers["1.running_mean"])
+
+
+def test_donated_step_matches_pure_step():
+    model = _mlp(dropout=0.3, batchnorm=True)
+    opt = optim.sgd(0.05, momentum=0.9)
+    pure_fn = make_train_step(model, F.cross_entropy, opt)
+    donating_fn = make_train_step(model, F.cross_entropy, opt, donate=True)
+    pure = TrainState.create(model, opt)
+    donated = _tree.map(torch.clone, pure)
+    weight = donated.params["0.weight"]
+    for step in range(5):
+        pure, m1 = pure_fn(pure, _batch(step))
+        donated, m2 = donating_fn(donated, _batch(step))
+        _assert_identical(donated, pure)
+        assert m1 == m2
+    assert donated.params["0.weight"] is weight  # updated in place all along
+
+
+def test_seed_changes_dropout():
+    model = _mlp(dropout=0.5)
+    opt = optim.sgd(0.1)
+    step_fn = make_train_step(model, F.cross_entropy, opt)
+    a, _ = step_fn(TrainState.create(model, opt, seed=0), _batch(0))
+    b, _ = step_fn(TrainState.create(model, opt, seed=1), _batch(0))
+    assert not torch.equal(a.params["0.weight"], b.params["0.weight"])
+
+
+# --------------------------------------------------------------------------- batch forms and eval
+
+
+def test_batch_forms():
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(10, 4)
+
+        def forward(self, x, scale):
+            return self.lin(x) * scale
+
+    model = TwoInputs()
+    opt = optim.sgd(0.1)
+    state = TrainState.create(model, opt)
+    step_fn = make_train_step(model, F.cross_entropy, opt)
+    x, y = _batch(0)
+    scale = torch.tensor(2.0)
+    a, _ = step_fn(state, ((x, scale), y))
+    b, _ = step_fn(state, {"inputs": {"x": x, "scale": scale}, "targets": y})
+    _assert_identical(a, b)
+
+
+def test_tied_weights_train_like_plain_pytorch():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(10, 10)
+            self.dec = nn.Linear(10, 10)
+            self.dec.weight = self.enc.weight  # one parameter, two names
+
+        def forward(self, x):
+            return self.dec(torch.tanh(self.enc(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    opt = optim.sgd(0.1, momentum=0.9)
+    state = TrainState.create(model, opt)
+    assert "dec.weight" not in state.params  # named_parameters lists a tied tensor once
+    step_fn = make_train_step(model, F.mse_loss, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(5):
+        x, _ = _batch(step)
+        state, _ = step_fn(state, (x, x))
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), x).backward()
+        ref_opt.step()
+    _close(state.params, dict(ref.named_parameters()), 1e-6)
+
+
+def test_regression_targets_have_no_accuracy():
+    model = nn.Linear(10, 1)
+    opt = optim.sgd(0.1)
+    x, _ = _batch(0)
+    _, metrics = make_train_step(model, F.mse_loss, opt)(TrainState.create(model, opt), (x, x[:, :1]))
+    assert set(metrics) == {"loss", "samples"}
+
+
+def test_eval_step_sums_and_eval_mode():
+    model = _mlp(dropout=0.5, batchnorm=True)
+    opt = optim.sgd(0.1)
+    state, _ = make_train_step(model, F.cross_entropy, opt)(TrainState.create(model, opt), _batch(0))
+    eval_step = make_eval_step(
+        model, {"loss": F.cross_entropy, "accuracy": lambda o, t: (o.argmax(1) == t).float().mean()}
+    )
+    batches = [_batch(10, 16), _batch(11, 8)]
+    sums = [eval_step(state, b) for b in batches]
+
+    ref = copy.deepcopy(model)
+    ref.load_state_dict({**state.params, **state.buffers})
+    ref.eval()
+    with torch.no_grad():
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        out = ref(x)
+    n = sum(s["samples"] for s in sums)
+    assert n == 24
+    assert sum(s["loss"] for s in sums) / n == pytest.approx(F.cross_entropy(out, y).item(), rel=1e-6)
+    assert sum(s["accuracy"] for s in sums) / n == pytest.approx((out.argmax(1) == y).float().mean().item())
+    assert model.training  # the mode is restored
+
+
+# --------------------------------------------------------------------------- clear errors
+
+
+def test_no_trainable_parameters():
+    with pytest.raises(ConfigError, match="no trainable parameter"):
+        make_train_step(nn.Linear(3, 2).requires_grad_(False), F.cross_entropy, optim.sgd(0.1))
+
+
+def test_loss_not_scalar():
+    model = _mlp()
+    opt = optim.sgd(0.1)
+    step_fn = make_train_step(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), opt)
+    with pytest.raises(TrainingError, match="scalar.*reduction='mean'"):
+        step_fn(TrainState.create(model, opt), _batch(0))
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        torch.randn(4, 10),
+        (torch.randn(4, 10),),
+        (torch.randn(4, 10), torch.zeros(4, dtype=torch.long), 1),
+        {"x": torch.randn(4, 10), "y": torch.zeros(4, dtype=torch.long)},
+        (torch.randn(4, 10), torch.zeros(5, dtype=torch.long)),
+        (torch.randn(4, 10), 3),
+        (torch.randn(0, 10), torch.zeros(0, dtype=torch.long)),
+    ],
+    ids=["tensor", "1-tuple", "3-tuple", "dict-keys", "sizes-differ", "int-targets", "empty"],
+)
+def test_wrong_batch_structure(batch):
+    model = _mlp()
+    opt = optim.sgd(0.1)
+    with pytest.raises(TrainingError, match="batch|sample"):
+        make_train_step(model, F.cross_entropy, opt)(TrainState.create(model, opt), batch)
+
+
+def test_state_of_another_model():
+    opt = optim.sgd(0.1)
+    step_fn = make_train_step(_mlp(), F.cross_entropy, opt)
+    with pytest.raises(TrainingError, match="does not match"):
+        step_fn(TrainState.create(nn.Linear(10, 4), opt), _batch(0))
+
+
+def test_bad_on_nonfinite():
+    with pytest.raises(ConfigError, match="on_nonfinite"):
+        make_train_step(_mlp(), F.cross_entropy, optim.sgd(0.1), on_nonfinite="ignore")
+
+
+def _nan_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets) * float("nan")
+
+
+def test_nan_loss_raises_with_step():
+    model = _mlp()
+    opt = optim.sgd(0.1)
+    state = TrainState.create(model, opt).replace(step=torch.tensor(7))
+    with pytest.raises(NonFiniteLossError, match="at step 7"):
+        make_train_step(model, _nan_loss, opt)(state, _batch(0))
+
+
+def test_nan_loss_skip_keeps_state():
+    model = _mlp(batchnorm=True)
+    opt = optim.sgd(0.1, momentum=0.9)
+    state = TrainState.create(model, opt)
+    new, metrics = make_train_step(model, _nan_loss, opt, on_nonfinite="skip")(state, _batch(0))
+    assert metrics["nonfinite"] is True
+    assert int(new.step) == 1
+    _assert_identical(new.replace(step=state.step), state)
+    _, ok = make_train_step(model, F.cross_entropy, opt, on_nonfinite="skip")(state, _batch(0))
+    assert ok["nonfinite"] is False
+
+
+def test_benchmark_quick_runs():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_overhead.py"
+    spec = importlib.util.spec_from_file_location("step_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--quick"])
+    assert [(r["model"], r["optimizer"]) for r in rows] == [
+        (m, o) for m in bench.MODELS for o in bench.OPTIMIZERS
+    ]
+    assert all(r["ratio"] > 0 and r["donated_ratio"] > 0 for r in rows)
