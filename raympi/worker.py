@@ -67,13 +67,15 @@ class Worker(comm.Member):
         assert self.comm.rank == self.rank, (self.comm.rank, self.rank)
         self.comm.mpi.Set_errhandler(_mpi.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
         self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer,
-                                          grad_sync=self.comm.allreduce_, rank=self.rank)
+                                          grad_sync=self.comm.allreduce_, rank=self.rank, donate=True)
         self.eval_step = make_eval_step(self.model, {"loss": self.loss_fn, "accuracy": accuracy})
         if state is None:
             self.state = TrainState.create(self.model, self.optimizer, seed=seed)
         else:
             self.state = TrainState.from_dict(state)
-        self.state = _tree_to(self.state, self.device)
+        # Steps donate the state's memory (update in place), so the state must be this actor's own:
+        # what came through Ray may be read-only object-store memory.
+        self.state = _tree.map(lambda t: t.to(self.device).clone() if isinstance(t, torch.Tensor) else t, self.state)
         return os.getpid()
 
     def _batch(self, inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +110,10 @@ class Worker(comm.Member):
         return os.getpid()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state as plain CPU tensors (what a checkpoint holds)."""
+        """This rank's state as plain CPU tensors (what a checkpoint holds).
+
+        On CPU the tensors are the live ones; Ray serializes the return value before the next step runs.
+        """
         return _tree_to(self.state, torch.device("cpu")).to_dict()
 
 
