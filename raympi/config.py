@@ -55,6 +55,7 @@ class FitConfig(BaseModel):
     batch_size: int = Field(64, ge=1, description="global batch size, split across the workers")
     optimizer: Any = Field(None, description="a raympi.optim transform; default raympi.optim.adam(1e-3)")
     loss_fn: Optional[Callable[..., Any]] = Field(None, description="loss_fn(outputs, targets) -> mean over samples; default cross-entropy")
+    columns: Optional[tuple[str, str]] = Field(None, description="(input, target) columns of a ray.data.Dataset; default its two columns")
     eval_dataset: Any = None
     eval_every: int = Field(0, ge=0, description="steps between evaluations (0: at the end of each epoch when eval_dataset is given)")
     seed: int = 0

@@ -17,7 +17,11 @@ import torch
 
 from raympi.exceptions import ConfigError
 
-__all__ = ["as_tensors", "epoch_order", "rank_slices", "steps_per_epoch"]
+# A ray.data.Dataset is split into equal shards per rank by Ray Data itself (``Dataset.split``);
+# each rank reads its own shard in an order seeded by (seed, epoch, rank), so with Ray Data the
+# data order, unlike the global-batch arithmetic, depends on the world size.
+
+__all__ = ["Sampler", "as_tensors", "columns_of", "epoch_order", "rank_slices", "steps_per_epoch", "to_tensors"]
 
 
 def as_tensors(dataset: Any, name: str = "dataset") -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,3 +74,57 @@ def epoch_order(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
 def rank_slices(batch: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """Split one global batch of indices into ``world_size`` contiguous, near-equal parts."""
     return list(torch.tensor_split(batch, world_size))
+
+
+def columns_of(dataset: Any, columns: tuple[str, str] | None) -> tuple[str, str]:
+    """The (input, target) column names of a ``ray.data.Dataset``: given, or its only two columns."""
+    names = list(dataset.schema().names)
+    if columns is None:
+        if len(names) != 2:
+            raise ConfigError(f"the ray.data.Dataset has columns {names}: pass columns=(input_column, target_column)")
+        return names[0], names[1]
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise ConfigError(f"columns={tuple(columns)}: {missing} not among the dataset's columns {names}")
+    return columns[0], columns[1]
+
+
+def to_tensors(dataset: Any, columns: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialize a (shard of a) ``ray.data.Dataset`` as an (inputs, targets) pair of tensors."""
+    batch = dataset.take_batch(batch_size=max(1, dataset.count()), batch_format="numpy")
+    return tuple(torch.from_numpy(np.array(batch[c])) for c in columns)  # type: ignore[return-value]  # a writable copy
+
+
+class Sampler:
+    """Which samples each rank reads at each step.
+
+    ``sharded=False``: one global permutation per epoch, each global batch split over the ranks.
+    ``sharded=True`` (Ray Data): each rank permutes its own equal shard and reads its part of the
+    global batch from it.
+    """
+
+    def __init__(self, seed: int, batch_size: int, num_samples: int, workers: int, sharded: bool = False) -> None:
+        self.seed, self.batch_size, self.num_samples, self.sharded = seed, batch_size, num_samples, sharded
+        if sharded:  # the most any rank needs per step, from the smallest shard it may get
+            need = -(-batch_size // workers)
+            self.steps_per_epoch = steps_per_epoch(num_samples // workers, need)
+        else:
+            self.steps_per_epoch = steps_per_epoch(num_samples, batch_size)
+        self._orders: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def _order(self, epoch: int, rank: int, size: int) -> torch.Tensor:
+        key = (epoch, rank, size)
+        if key not in self._orders:
+            self._orders = {k: v for k, v in self._orders.items() if k[0] == epoch}
+            self._orders[key] = epoch_order(self.seed + 7919 * (rank + 1) * self.sharded, epoch, size)
+        return self._orders[key]
+
+    def shards(self, step: int, world: int) -> list[torch.Tensor]:
+        """Each rank's sample indices (into the whole dataset, or into its own shard) for global ``step``."""
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if not self.sharded:
+            batch = self._order(epoch, 0, self.num_samples)[i * self.batch_size : (i + 1) * self.batch_size]
+            return rank_slices(batch, world)
+        sizes = [len(p) for p in rank_slices(torch.arange(self.batch_size), world)]
+        shard_len = self.num_samples // world
+        return [self._order(epoch, r, shard_len)[i * n : (i + 1) * n] for r, n in enumerate(sizes)]

@@ -26,7 +26,7 @@ from raympi._state import TrainState
 from raympi._step import make_train_step
 from raympi.checkpoint import CheckpointStore
 from raympi.config import FitConfig, parse_config
-from raympi.exceptions import CapacityError, FormationError, RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError
+from raympi.exceptions import CapacityError, ConfigError, FormationError, RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError
 from raympi.group import WorkerGroup, cluster_capacity, worker_bundle
 from raympi.report import Progress, write_jsonl, write_plot
 
@@ -81,19 +81,34 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
     cfg = parse_config(workers=workers, **options)
     optimizer = cfg.optimizer or optim.adam(1e-3)
     loss_fn = cfg.loss_fn or F.cross_entropy
-    inputs, targets = data.as_tensors(dataset)
+    started_ray = False
+    if _is_ray_dataset(dataset):
+        started_ray = _connect_ray(cfg)  # a Ray Dataset needs Ray to be read
+        columns = data.columns_of(dataset, cfg.columns)
+        train: Any = (dataset, columns)
+        num_samples = dataset.count()
+        sample = data.to_tensors(dataset.limit(2), columns)
+    else:
+        train = data.as_tensors(dataset)
+        num_samples, sample = len(train[0]), train
+    if num_samples == 0:
+        raise ConfigError("dataset is empty: it has no samples to train on")
     eval_data = data.as_tensors(cfg.eval_dataset, "eval_dataset") if cfg.eval_dataset is not None else None
-    steps_per_epoch = data.steps_per_epoch(len(inputs), cfg.batch_size)
-    _dry_run(model, loss_fn, optimizer, inputs, targets, cfg)
+    sampler = data.Sampler(cfg.seed, cfg.batch_size, num_samples, cfg.workers, sharded=_is_ray_dataset(dataset))
+    _dry_run(model, loss_fn, optimizer, *sample, cfg)
     root = cfg.checkpoint_dir or os.path.join("runs", "raympi-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     store = CheckpointStore(root, cfg.keep_checkpoints)
-    started_ray = _connect_ray(cfg)
+    started_ray = _connect_ray(cfg) or started_ray
     try:
-        return _Run(cfg, model, loss_fn, optimizer, (inputs, targets), eval_data, steps_per_epoch, store).run()
+        return _Run(cfg, model, loss_fn, optimizer, train, eval_data, sampler, store).run()
     finally:
         store.close()
         if started_ray:
             ray.shutdown()
+
+
+def _is_ray_dataset(dataset: Any) -> bool:
+    return type(dataset).__module__.startswith("ray.data") and hasattr(dataset, "split")
 
 
 def _dry_run(model, loss_fn, optimizer, inputs, targets, cfg: FitConfig) -> None:
@@ -130,17 +145,16 @@ class _Regroup(Exception):
 class _Run:
     """One call of :func:`fit`: the data cursor, the chunk pipeline, checkpoints, metrics and restarts."""
 
-    def __init__(self, cfg, model, loss_fn, optimizer, train_data, eval_data, steps_per_epoch, store) -> None:
+    def __init__(self, cfg, model, loss_fn, optimizer, train_data, eval_data, sampler: data.Sampler, store) -> None:
         self.cfg, self.model, self.store = cfg, model, store
-        self.spe = steps_per_epoch
-        self.total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
+        self.sampler = sampler
+        self.spe = sampler.steps_per_epoch
+        self.total = min(self.spe * cfg.epochs, cfg.max_steps or self.spe * cfg.epochs)
         self.history: list[dict[str, Any]] = []
         self.restarts: list[dict[str, Any]] = []
         self.checkpoint: str | None = None
         self.memory: tuple[int, dict[str, Any]] | None = None  # the newest checkpoint's state, in driver memory
-        self.num_samples = len(train_data[0])
         self.eval_size = len(eval_data[0]) if eval_data is not None else 0
-        self._orders: dict[int, torch.Tensor] = {}
         self.start_step = 0
         if cfg.resume:
             found = store.latest()
@@ -149,7 +163,9 @@ class _Run:
                 self.start_step = int(manifest["step"])
                 self.memory = (self.start_step, state)
                 self.history = [r for r in manifest.get("history", []) if r["step"] <= self.start_step]
-        refs = tuple(ray.put(x.numpy() if x.dtype != torch.bfloat16 else x) for x in train_data)
+        # Shipped once through the object store; a Ray Dataset is split per group by Ray Data instead.
+        self.ray_dataset = train_data if sampler.sharded else None
+        refs = (None, None) if sampler.sharded else tuple(ray.put(x.numpy() if x.dtype != torch.bfloat16 else x) for x in train_data)
         eval_refs = tuple(ray.put(x.numpy() if x.dtype != torch.bfloat16 else x) for x in eval_data) if eval_data else (None, None)
         self.use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
         self.bundle = worker_bundle(cfg, self.use_gpu)
@@ -157,18 +173,13 @@ class _Run:
         self.group: WorkerGroup | None = None
         self.recovering: tuple[dict[str, Any], float] | None = None
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._orders:
-            self._orders = {epoch: data.epoch_order(self.cfg.seed, epoch, self.num_samples)}
-        return self._orders[epoch]
-
     def run(self) -> Result:
         self.progress = Progress(self.total, self.cfg.progress)
         try:
             while True:
                 try:
                     if self.group is None:
-                        self.group = WorkerGroup(self.cfg, self.cfg.workers, self.worker_args, self.memory and self.memory[1], self.use_gpu)
+                        self.group = WorkerGroup(self.cfg, self.cfg.workers, self.worker_args, self.memory and self.memory[1], self.use_gpu, self.ray_dataset)
                     return self._loop()
                 except (WorkerLostError, StepTimeoutError, FormationError, _Regroup) as exc:
                     self._recover(exc)
@@ -218,7 +229,7 @@ class _Run:
             remaining = deadline - time.monotonic()
             if world >= cfg.min_workers:
                 try:
-                    return WorkerGroup(cfg, world, self.worker_args, state, self.use_gpu, place_timeout_s=min(5.0, max(1.0, remaining)))
+                    return WorkerGroup(cfg, world, self.worker_args, state, self.use_gpu, self.ray_dataset, place_timeout_s=min(5.0, max(1.0, remaining)))
                 except (CapacityError, WorkerLostError, FormationError) as exc:  # a node went away meanwhile: count again
                     last_error = exc
             if remaining <= 0:
@@ -248,9 +259,7 @@ class _Run:
         world = self.group.world
         shards: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for s in range(first, first + count):
-            epoch, i = divmod(s, self.spe)
-            batch = self._order(epoch)[i * self.cfg.batch_size : (i + 1) * self.cfg.batch_size]
-            for rank, part in enumerate(data.rank_slices(batch, world)):
+            for rank, part in enumerate(self.sampler.shards(s, world)):
                 shards[rank].append(part)
         actors = self.group.actors
         last = first + count

@@ -45,7 +45,8 @@ def cluster_capacity(bundle: dict[str, float]) -> int:
 class WorkerGroup:
     """``cfg.workers`` :class:`~raympi.worker.Worker` actors joined into one MPI communicator."""
 
-    def __init__(self, cfg: FitConfig, world: int, worker_args: tuple, state: Any, use_gpu: bool, place_timeout_s: float | None = None) -> None:
+    def __init__(self, cfg: FitConfig, world: int, worker_args: tuple, state: Any, use_gpu: bool,
+                 ray_dataset: tuple[Any, tuple[str, str]] | None = None, place_timeout_s: float | None = None) -> None:
         self.cfg = cfg
         self.world = world
         self.actors: list[Any] = []
@@ -76,7 +77,10 @@ class WorkerGroup:
             members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=cfg.bucket_bytes)
             self.hosts = [host for _, _, host in members]
             self.state_ref = state if state is None else ray.put(state)
-            self.pids = self.gather([a.setup.remote(self.state_ref, cfg.seed) for a in self.actors], deadline, "setting up the workers", "startup_timeout_s")
+            shards = ray_dataset[0].split(world, equal=True) if ray_dataset else [None] * world
+            columns = ray_dataset[1] if ray_dataset else None
+            self.pids = self.gather([a.setup.remote(self.state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
+                                    deadline, "setting up the workers", "startup_timeout_s")
         except BaseException:
             self.shutdown()
             raise

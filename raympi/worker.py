@@ -17,7 +17,7 @@ import ray
 import torch
 import torch.nn.functional as F
 
-from raympi import _mpi, _tree, comm
+from raympi import _mpi, _tree, comm, data
 from raympi._state import TrainState
 from raympi._step import make_eval_step, make_train_step
 from raympi.exceptions import WorkerLostError
@@ -54,15 +54,20 @@ class Worker(comm.Member):
         self.loss_fn = loss_fn or F.cross_entropy
         self.optimizer = optimizer
         # The arrays come from Ray's object store (top-level ObjectRef arguments): zero-copy, shared per node.
-        self.inputs, self.targets = _as_tensor(inputs), _as_tensor(targets)
+        self.inputs, self.targets = (_as_tensor(inputs), _as_tensor(targets)) if inputs is not None else (None, None)
         self.eval_data = (_as_tensor(eval_inputs), _as_tensor(eval_targets)) if eval_inputs is not None else None
         self.state: TrainState | None = None
 
     def __repr__(self) -> str:  # Ray tags this actor's printed lines with it
         return f"rank {getattr(self, 'rank', '?')} on {getattr(self, 'host', '?')}"
 
-    def setup(self, state: dict[str, Any] | None, seed: int) -> int:
-        """Build the step functions over the communicator; start from ``state`` or from the model."""
+    def setup(self, state: dict[str, Any] | None, seed: int, shard: Any = None, columns: tuple[str, str] | None = None) -> int:
+        """Build the step functions over the communicator; start from ``state`` or from the model.
+
+        ``shard``: this rank's part of a ``ray.data.Dataset`` (then step indices refer to it).
+        """
+        if shard is not None:
+            self.inputs, self.targets = data.to_tensors(shard, columns)
         assert self.comm is not None, "form the communicator first"
         assert self.comm.rank == self.rank, (self.comm.rank, self.rank)
         self.comm.mpi.Set_errhandler(_mpi.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us

@@ -182,3 +182,16 @@ def test_example_runs_end_to_end(ray_session, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fashion-mnist: test accuracy" in out
     assert result.checkpoint and os.path.exists(os.path.join(result.checkpoint, "manifest.json"))
+
+
+def test_ray_dataset_is_split_per_rank_by_ray_data(ray_session, fashion, tmp_path):
+    import ray.data
+
+    x, y = fashion[0]
+    ds = ray.data.from_items([{"image": x[i].numpy(), "label": int(y[i])} for i in range(len(x))])
+    result = _fit(ds, tmp_path, "rd", workers=2, epochs=2)
+    losses = [r["loss"] for r in result.metrics]
+    assert len(losses) == 2 * (len(x) // 2 // 32)
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+    with pytest.raises(ConfigError, match="not among the dataset's columns"):
+        _fit(ds, tmp_path, "rd2", workers=2, columns=("img", "label"))
