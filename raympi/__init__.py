@@ -7,7 +7,7 @@ import sys
 
 from raympi import _mpi
 from raympi.exceptions import (
-    CapacityError, ConfigError, FormationError, MPIUnavailableError, NonFiniteLossError, RaympiError,
+    CapacityError, ConfigError, FormationError, MPIUnavailableError, NonFiniteLossError, PreemptedError, RaympiError,
     RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError,
 )
 
@@ -27,7 +27,7 @@ from raympi.config import FitConfig, MPIConfig  # noqa: E402
 from raympi.fit import Result, fit  # noqa: E402
 
 __all__ = [
-    "CapacityError", "NonFiniteLossError", "RestartsExhaustedError", "StepTimeoutError", "WorkerLostError",
+    "CapacityError", "NonFiniteLossError", "PreemptedError", "RestartsExhaustedError", "StepTimeoutError", "WorkerLostError",
     "ConfigError", "FitConfig", "FormationError", "MPIConfig", "MPIUnavailableError", "RaympiError", "Result",
     "TrainState", "TrainingError", "__version__", "fit", "load_checkpoint", "make_eval_step", "make_train_step", "optim",
 ]

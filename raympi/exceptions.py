@@ -47,3 +47,7 @@ class WorkerLostError(RaympiError):
 
 class StepTimeoutError(RaympiError):
     """A rank made no progress within ``step_timeout_s`` (a hang: fit restarts)."""
+
+
+class PreemptedError(RaympiError):
+    """The driver got SIGTERM; a checkpoint was written first."""

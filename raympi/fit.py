@@ -26,7 +26,7 @@ from raympi._state import TrainState
 from raympi._step import make_train_step
 from raympi.checkpoint import CheckpointStore
 from raympi.config import FitConfig, parse_config
-from raympi.exceptions import CapacityError, ConfigError, FormationError, RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError
+from raympi.exceptions import CapacityError, ConfigError, FormationError, PreemptedError, RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError
 from raympi.group import WorkerGroup, cluster_capacity, worker_bundle
 from raympi.report import Progress, write_jsonl, write_plot
 
@@ -131,7 +131,7 @@ def _connect_ray(cfg: FitConfig) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if address and address != "local":
         ray.init(address=address, logging_level="ERROR")
         return False
     ray.init(address="local", include_dashboard=False, logging_level="ERROR")
@@ -140,6 +140,20 @@ def _connect_ray(cfg: FitConfig) -> bool:
 
 class _Regroup(Exception):
     """Internal: capacity came back; re-form the group at full size from the checkpoint just taken."""
+
+
+class _Preempted(Exception):
+    """Internal: a worker got SIGTERM (a spot reclaim); re-form without it from the checkpoint just taken."""
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install a SIGTERM handler when we may (main thread); return the previous one."""
+    import signal
+    import threading
+
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 class _Run:
@@ -175,15 +189,19 @@ class _Run:
 
     def run(self) -> Result:
         self.progress = Progress(self.total, self.cfg.progress)
+        self.sigterm, self.preempted = False, []
+        previous = _on_sigterm(lambda *_: setattr(self, "sigterm", True))
         try:
             while True:
                 try:
                     if self.group is None:
                         self.group = WorkerGroup(self.cfg, self.cfg.workers, self.worker_args, self.memory and self.memory[1], self.use_gpu, self.ray_dataset)
                     return self._loop()
-                except (WorkerLostError, StepTimeoutError, FormationError, _Regroup) as exc:
+                except (WorkerLostError, StepTimeoutError, FormationError, _Regroup, _Preempted) as exc:
                     self._recover(exc)
+                    self.preempted = []
         finally:
+            _on_sigterm(previous)
             self.progress.close()
             if self.group is not None:
                 self.group.shutdown()
@@ -191,11 +209,11 @@ class _Run:
     def _recover(self, exc: Exception) -> None:
         """Cold restart: kill the group, re-form it with the workers the cluster can host, restore the newest state."""
         detected = time.monotonic()
-        grow = isinstance(exc, _Regroup)
+        grow = isinstance(exc, (_Regroup, _Preempted))  # planned: a fresh checkpoint is in memory
         failed_step = self.history[-1]["step"] if self.history else self.start_step
         record = {
             "time": time.time(), "step": failed_step, "ranks": getattr(exc, "ranks", []), "nodes": getattr(exc, "nodes", []),
-            "cause": "capacity returned" if grow else str(exc).splitlines()[0], "kind": type(exc).__name__.lstrip("_"),
+            "cause": str(exc).splitlines()[0] if str(exc) else "capacity returned", "kind": type(exc).__name__.lstrip("_"),
             "path": "cold", "world_before": self.group.world if self.group else 0,
         }
         if grow:
@@ -204,7 +222,7 @@ class _Run:
             self.group.shutdown()
             self.group = None
         self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done
-        failures = [r for r in self.restarts if r["kind"] != "Regroup"]
+        failures = [r for r in self.restarts if r["kind"] not in ("Regroup", "Preempted")]
         if not grow and len(failures) >= self.cfg.max_restarts:
             raise RestartsExhaustedError(
                 f"training failed {len(failures) + 1} times, more than max_restarts={self.cfg.max_restarts}; last failure: "
@@ -276,7 +294,7 @@ class _Run:
         inflight: deque[dict[str, Any]] = deque()
         next_step, chunk_size, last_done = self.start_step, 1, time.monotonic()
         while next_step < self.total or inflight:
-            while len(inflight) < 2 and next_step < self.total:
+            while len(inflight) < 2 and next_step < self.total and not (self.preempted or self.sigterm):
                 count = min(chunk_size, self._boundary(next_step) - next_step)
                 inflight.append(self._submit(next_step, count))
                 next_step += count
@@ -284,7 +302,9 @@ class _Run:
             # The first step of a new group also warms up torch.func and MPI's connections: startup time.
             field = "startup_timeout_s" if chunk["first"] == self.start_step else "step_timeout_s"
             deadline = max(last_done, time.monotonic()) + getattr(cfg, field)
-            steps = self.group.gather(chunk["refs"], deadline, f"steps {chunk['first'] + 1}-{chunk['last']}", field)[0]
+            results = self.group.gather(chunk["refs"], deadline, f"steps {chunk['first'] + 1}-{chunk['last']}", field)
+            steps = results[0]["metrics"]
+            self.preempted += [r for r, res in enumerate(results) if res["sigterm"] and r not in self.preempted]
             now = time.monotonic()
             count = chunk["last"] - chunk["first"]
             seconds = max(1e-9, now - last_done)
@@ -301,6 +321,14 @@ class _Run:
                 records[-1].update(self.group.gather(chunk["eval"], time.monotonic() + cfg.step_timeout_s, "evaluation", "step_timeout_s")[0])
             self.history.extend(records)
             self.progress.update(chunk["last"], records[-1], force="eval" in chunk or chunk["last"] == self.total)
+            if (self.preempted or self.sigterm) and not inflight and chunk["last"] < self.total:
+                self._checkpoint_now(chunk, records[-1]["step"])
+                if self.sigterm:
+                    raise PreemptedError(
+                        f"stopped by SIGTERM after step {chunk['last']}; checkpoint written to {self.checkpoint}: "
+                        "fit(..., resume=True) continues from it"
+                    )
+                raise _Preempted(f"SIGTERM to rank(s) {self.preempted} (preemption): checkpoint taken at step {chunk['last']}")
             if "state" in chunk:
                 self._save(chunk["state"], chunk["last"])
                 if chunk["last"] < self.total and self.group.world < cfg.workers and cluster_capacity(self.bundle) > self.group.world:
@@ -310,6 +338,13 @@ class _Run:
         self._write_reports()
         self.model.load_state_dict({**state.params, **state.buffers}, strict=False)
         return Result(state=state, model=self.model, metrics=self.history, checkpoint=self.checkpoint, restarts=self.restarts)
+
+    def _checkpoint_now(self, chunk: dict[str, Any], step: int) -> None:
+        """A checkpoint at the current step, on disk before returning (preemption)."""
+        if "state" not in chunk:
+            chunk["state"] = self.group.actors[0].state_dict.remote()
+        self._save(chunk["state"], step)
+        self.store.wait()
 
     def _save(self, state_ref: Any, step: int) -> None:
         epoch, in_epoch = divmod(step, self.spe)

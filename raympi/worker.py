@@ -8,6 +8,7 @@ runs a chunk of steps per call: the driver sends only sample indices.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import warnings
 from typing import Any, Callable
@@ -57,6 +58,10 @@ class Worker(comm.Member):
         self.inputs, self.targets = (_as_tensor(inputs), _as_tensor(targets)) if inputs is not None else (None, None)
         self.eval_data = (_as_tensor(eval_inputs), _as_tensor(eval_targets)) if eval_inputs is not None else None
         self.state: TrainState | None = None
+        # A spot reclaim sends SIGTERM: note it, finish the chunk, and let the driver take a checkpoint
+        # and re-form the group without this rank (it kills us then).
+        self.sigterm = False
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "sigterm", True))
 
     def __repr__(self) -> str:  # Ray tags this actor's printed lines with it
         return f"rank {getattr(self, 'rank', '?')} on {getattr(self, 'host', '?')}"
@@ -86,8 +91,11 @@ class Worker(comm.Member):
     def _batch(self, inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs[index].to(self.device, non_blocking=True), targets[index].to(self.device, non_blocking=True)
 
-    def run(self, shards: list[torch.Tensor], global_batch_size: int) -> list[dict[str, Any]] | None:
-        """Take one step per entry of ``shards`` (this rank's sample indices); rank 0 returns the metrics."""
+    def run(self, shards: list[torch.Tensor], global_batch_size: int) -> dict[str, Any]:
+        """Take one step per entry of ``shards`` (this rank's sample indices).
+
+        Returns ``{"metrics": [...] on rank 0 else None, "sigterm": bool}``.
+        """
         history = []
         MPI = _mpi.require()
         for index in shards:
@@ -96,7 +104,7 @@ class Worker(comm.Member):
             except MPI.Exception as exc:  # a peer died or was cut off: infrastructure, not the user's code
                 raise WorkerLostError(f"rank {self.rank} on {self.host}: a collective failed ({exc.Get_error_string()}), a peer is gone") from None
             history.append(metrics)
-        return history if self.rank == 0 else None
+        return {"metrics": history if self.rank == 0 else None, "sigterm": self.sigterm}
 
     def evaluate(self, index: torch.Tensor) -> dict[str, float] | None:
         """Evaluate this rank's share of the eval set; rank 0 returns the global means."""

@@ -211,3 +211,48 @@ def test_cluster_below_min_workers(cluster, tmp_path):
         raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **{**OPTIONS, "restart_timeout_s": 3.0})
     assert time.monotonic() - start < 90
     assert raympi.load_checkpoint(str(folder)).step.item() >= 20
+
+
+def test_sigterm_to_a_worker_checkpoints_then_regroups(cluster, uninterrupted, tmp_path):
+    folder = tmp_path / "ck"
+    _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGTERM))
+    result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **OPTIONS)
+    assert [r["kind"] for r in result.restarts] == ["Preempted"]
+    record = result.restarts[0]
+    assert record["steps_lost"] == 0 and record["restored_step"] > 20
+    assert (folder / f"step-{record['restored_step']:08d}").exists() or record["restored_step"] < result.metrics[-1]["step"]
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+DRIVER = """
+import sys, time, torch, raympi
+from torch import nn
+
+class Slow(nn.Sequential):
+    def forward(self, x):
+        time.sleep(0.02)
+        return super().forward(x)
+
+torch.manual_seed(0)
+x = torch.randn(2048, 20); y = (x[:, 0] > 0).long()
+raympi.fit(Slow(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 2)), (x, y), workers=2, epochs=3, batch_size=32,
+           checkpoint_dir=sys.argv[1], checkpoint_every=10, progress=False, address="local")
+"""
+
+
+def test_sigterm_to_the_driver_checkpoints_before_exiting(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ck"
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(folder)], stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (folder / "step-00000020").exists() and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGTERM)
+    _, err = driver.communicate(timeout=60)
+    assert driver.returncode != 0
+    assert "PreemptedError: stopped by SIGTERM after step" in err and "resume=True" in err
+    step = raympi.load_checkpoint(str(folder)).step.item()
+    assert step > 20 and f"after step {step};" in err
