@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
 from typing import Any, Sequence
 
 import torch
 
 from raympi import _mpi, _tree
-from raympi.exceptions import ConfigError, FormationError
+from raympi.exceptions import CollectiveAborted, ConfigError, FormationError
 
 __all__ = ["Member", "Communicator", "form", "DEFAULT_BUCKET_BYTES"]
 
@@ -59,6 +60,8 @@ class Communicator:
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self.bucket_bytes = bucket_bytes
+        self.abort = threading.Event()  # set from another thread to abandon the collective in flight
+        self._MPI = _mpi.require()
 
     def allreduce_(self, tensors: Any) -> Any:
         """Sum every tensor of ``tensors`` (a list, dict or any tree) over all ranks, in place.
@@ -97,8 +100,21 @@ class Communicator:
         return tensors
 
     def _allreduce_buffer(self, array: Any) -> None:
-        MPI = _mpi.require()
-        self.mpi.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, array, op=self._MPI.SUM))
+
+    def _wait(self, request: Any) -> None:
+        """Complete a nonblocking collective, unless :attr:`abort` is set first (then raise).
+
+        A blocking call could never be abandoned: polling lets a rank whose peer hung or died give
+        up the step in flight and keep its state for a warm restart.
+        """
+        spins = 0
+        while not request.Test():
+            if self.abort.is_set():
+                raise CollectiveAborted(f"rank {self.rank}: collective abandoned on request (a peer failed)")
+            spins += 1
+            if spins > 1000:  # past the fast path: stop hogging a core other ranks may need
+                time.sleep(20e-6)
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """Send ``tree`` (any tree of tensors and picklable leaves) from ``root`` to every rank.
@@ -197,8 +213,8 @@ class Member:
         self._forming = None
         if comm.Get_size() != size or not comm.allreduce(True, op=MPI.LAND):
             raise FormationError(f"formed a group of {comm.Get_size()} ranks, expected {size}")
-        if self.comm is not None:
-            self.comm.free()
+        if self.comm is not None and not self.comm.abort.is_set():
+            self.comm.free()  # an abandoned one may still hold a collective with a dead peer: leave it
         self.comm = Communicator(comm, bucket_bytes)
         return self.comm.rank, self.comm.size, socket.gethostname()
 

@@ -51,3 +51,7 @@ class StepTimeoutError(RaympiError):
 
 class PreemptedError(RaympiError):
     """The driver got SIGTERM; a checkpoint was written first."""
+
+
+class CollectiveAborted(RaympiError):
+    """A rank abandoned a collective because the driver asked it to (a peer failed)."""

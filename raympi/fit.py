@@ -216,18 +216,24 @@ class _Run:
             "cause": str(exc).splitlines()[0] if str(exc) else "capacity returned", "kind": type(exc).__name__.lstrip("_"),
             "path": "cold", "world_before": self.group.world if self.group else 0,
         }
+        failures = [r for r in self.restarts if r["kind"] not in ("Regroup", "Preempted")]
+        if not grow and len(failures) >= self.cfg.max_restarts:
+            if self.group is not None:
+                self.group.shutdown()
+                self.group = None
+            self.store.wait(strict=False)
+            raise RestartsExhaustedError(
+                f"training failed {len(failures) + 1} times, more than max_restarts={self.cfg.max_restarts}; last failure: "
+                f"{record['cause']}. The newest checkpoint is {self.checkpoint}: fit(..., resume=True) continues from it"
+            ) from exc
+        if not grow and self._warm(exc, record, detected):
+            return
         if grow:
             self.store.wait()  # the checkpoint to grow from must be fetched before its rank 0 goes
         if self.group is not None:
             self.group.shutdown()
             self.group = None
         self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done
-        failures = [r for r in self.restarts if r["kind"] not in ("Regroup", "Preempted")]
-        if not grow and len(failures) >= self.cfg.max_restarts:
-            raise RestartsExhaustedError(
-                f"training failed {len(failures) + 1} times, more than max_restarts={self.cfg.max_restarts}; last failure: "
-                f"{record['cause']}. The newest checkpoint is {self.checkpoint}: fit(..., resume=True) continues from it"
-            ) from exc
         print(f"raympi: {record['cause']}; restarting from step {self.memory[0] if self.memory else 0}", file=sys.stderr)
         step, state = self.memory if self.memory else (0, None)
         self.group = self._regroup(state)
@@ -236,6 +242,57 @@ class _Run:
         record.update(world_after=self.group.world, steps_lost=failed_step - step, restored_step=step)
         self.restarts.append(record)
         self.recovering = (record, detected)
+
+    def _warm(self, exc: Exception, record: dict[str, Any], detected: float) -> bool:
+        """Warm restart: the survivors abandon the step in flight, keep their state, and re-form with
+        replacements; nothing but that step is lost. False when it cannot apply (then a cold restart follows)."""
+        group, failed = self.group, sorted(set(getattr(exc, "ranks", [])))
+        if group is None or self.sampler.sharded or not failed or len(failed) >= group.world:
+            return False
+        survivors = [r for r in range(group.world) if r not in failed]
+        for r in survivors:
+            group.actors[r].abort.remote()
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        reported: dict[int, dict[str, Any]] = {}
+        done = {r: self.history[-1]["step"] if self.history else self.start_step for r in survivors}
+        for chunk in getattr(exc, "chunks", []):
+            refs = {r: chunk["refs"][r] for r in survivors}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+            if len(ready) < len(refs):
+                return False  # a survivor does not answer either: cold restart
+            for r, ref in refs.items():
+                try:
+                    res = ray.get(ref)
+                except ray.exceptions.RayActorError:  # lost as well (several ranks on one lost node)
+                    failed.append(r)
+                    continue
+                except ray.exceptions.RayError:
+                    return False
+                done[r] = res["step"]
+                for k, metrics in enumerate(res["metrics"]):
+                    reported[chunk["first"] + k + 1] = metrics
+            survivors = [r for r in survivors if r not in failed]
+            if not survivors:
+                return False
+        failed = sorted(set(failed))
+        root = max(survivors, key=lambda r: done[r])
+        step = done[root]
+        world_before = group.world
+        print(f"raympi: {record['cause']}; warm restart of {len(survivors)} survivor(s) at step {step}", file=sys.stderr)
+        try:
+            group.warm_restart(failed, root, time.monotonic() + self.cfg.restart_timeout_s)
+        except Exception as warm_error:  # whatever went wrong, the cold path starts from scratch
+            record["warm_error"] = f"{type(warm_error).__name__}: {warm_error}"
+            return False
+        last = self.history[-1]["step"] if self.history else self.start_step
+        self.history = [r for r in self.history if r["step"] <= step]
+        for s in range(last + 1, step + 1):  # steps the survivors finished but the driver had not seen yet
+            self.history.append({"step": s, "epoch": (s - 1) // self.spe, **reported.get(s, {}), "world_size": world_before, "time": time.time()})
+        self.start_step = step
+        record.update(path="warm", world_after=group.world, steps_lost=max(0, record["step"] - step), restored_step=step)
+        self.restarts.append(record)
+        self.recovering = (record, detected)
+        return True
 
     def _regroup(self, state: dict[str, Any] | None) -> WorkerGroup:
         """As many workers as the cluster can host, from min_workers to workers, waiting up to restart_timeout_s."""
@@ -302,7 +359,14 @@ class _Run:
             # The first step of a new group also warms up torch.func and MPI's connections: startup time.
             field = "startup_timeout_s" if chunk["first"] == self.start_step else "step_timeout_s"
             deadline = max(last_done, time.monotonic()) + getattr(cfg, field)
-            results = self.group.gather(chunk["refs"], deadline, f"steps {chunk['first'] + 1}-{chunk['last']}", field)
+            try:
+                results = self.group.gather(chunk["refs"], deadline, f"steps {chunk['first'] + 1}-{chunk['last']}", field)
+            except (WorkerLostError, StepTimeoutError) as exc:
+                exc.chunks = [chunk, *inflight]  # type: ignore[attr-defined]  # what the survivors may still report
+                raise
+            if any(res["aborted"] for res in results):
+                raise WorkerLostError(f"steps {chunk['first'] + 1}-{chunk['last']}: a collective failed on rank(s) "
+                                      f"{[r for r, res in enumerate(results) if res['aborted']]}")
             steps = results[0]["metrics"]
             self.preempted += [r for r, res in enumerate(results) if res["sigterm"] and r not in self.preempted]
             now = time.monotonic()

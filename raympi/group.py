@@ -57,22 +57,15 @@ class WorkerGroup:
         bundle = worker_bundle(cfg, use_gpu)
         try:
             self._place(bundle, min(deadline, time.monotonic() + (place_timeout_s or cfg.startup_timeout_s)))
+            self.bundles = list(range(world))  # placement-group bundle of each rank
             node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
             self.nodes = [node_of_bundle[i] for i in range(world)]
             ip_of = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
             env = {**cfg.mpi.environment(multi_host=len({ip_of.get(n) for n in self.nodes}) > 1)}
             threads = cfg.torch_threads or max(1, int(bundle.get("CPU", 1)))
             env["OMP_NUM_THREADS"] = str(threads)
-            cls = ray.remote(concurrency_groups={"health": 1})(Worker)
-            self.actors = [
-                cls.options(
-                    num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                    resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                    runtime_env={"env_vars": env}, max_restarts=0,
-                ).remote(*worker_args, i, "cuda" if use_gpu else "cpu", threads)
-                for i in range(world)
-            ]
+            self._spawn_args = (bundle, env, threads, worker_args, use_gpu)
+            self.actors = [self._spawn(i, i) for i in range(world)]
             self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", "startup_timeout_s")
             members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=cfg.bucket_bytes)
             self.hosts = [host for _, _, host in members]
@@ -84,6 +77,46 @@ class WorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+
+    def _spawn(self, bundle_index: int, rank: int) -> Any:
+        bundle, env, threads, worker_args, use_gpu = self._spawn_args
+        return ray.remote(concurrency_groups={"health": 1})(Worker).options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index),
+            runtime_env={"env_vars": env}, max_restarts=0,
+        ).remote(*worker_args, rank, "cuda" if use_gpu else "cpu", threads)
+
+    def warm_restart(self, failed: list[int], root: int, deadline: float) -> int:
+        """Keep the survivors and their state; replace the ``failed`` ranks where the cluster allows.
+
+        Survivors keep their order (rank 0 first), replacements follow; the new communicator is
+        formed among them and every rank takes the state of old rank ``root`` (a survivor).
+        Returns the new world size.  Any failure here leaves the caller to do a cold restart.
+        """
+        survivors = [r for r in range(self.world) if r not in failed]
+        for r in failed:
+            ray.kill(self.actors[r], no_restart=True)
+        # Replace only what the live nodes can host (a lost node's bundle cannot come back by itself).
+        room = max(0, cluster_capacity(self._spawn_args[0]) - len(survivors))
+        fresh = [self._spawn(self.bundles[r], len(survivors) + i) for i, r in enumerate(failed[:room])]
+        ready_refs = [a.__ray_ready__.remote() for a in fresh]
+        ready, _ = ray.wait(ready_refs, num_returns=len(fresh), timeout=max(0.5, deadline - time.monotonic())) if fresh else ([], [])
+        keep = [i for i, ref in enumerate(ready_refs) if ref in ready]
+        for i, actor in enumerate(fresh):
+            if i not in keep:  # its node is gone and nothing can host it now: go on without it
+                ray.kill(actor, no_restart=True)
+        if len(survivors) + len(keep) < self.cfg.min_workers:
+            raise CapacityError(f"only {len(survivors) + len(keep)} worker(s) left, fewer than min_workers={self.cfg.min_workers}")
+        self.actors = [self.actors[r] for r in survivors] + [fresh[i] for i in keep]
+        self.bundles = [self.bundles[r] for r in survivors] + [self.bundles[failed[i]] for i in keep]
+        self.world = len(self.actors)
+        members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=self.cfg.bucket_bytes)
+        self.hosts = [host for _, _, host in members]
+        node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
+        self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
+        self.gather([a.rejoin.remote(survivors.index(root)) for a in self.actors], deadline, "re-forming the group", "restart_timeout_s")
+        return self.world
 
     def _place(self, bundle: dict[str, float], deadline: float) -> None:
         can_host = cluster_capacity(bundle)

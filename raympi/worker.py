@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from raympi import _mpi, _tree, comm, data
 from raympi._state import TrainState
 from raympi._step import make_eval_step, make_train_step
-from raympi.exceptions import WorkerLostError
+from raympi.exceptions import CollectiveAborted
 
 __all__ = ["Worker", "accuracy"]
 
@@ -73,20 +73,33 @@ class Worker(comm.Member):
         """
         if shard is not None:
             self.inputs, self.targets = data.to_tensors(shard, columns)
-        assert self.comm is not None, "form the communicator first"
-        assert self.comm.rank == self.rank, (self.comm.rank, self.rank)
+        assert self.comm is not None and self.comm.rank == self.rank, "form the communicator first"
+        self._build_steps()
+        state_tree = TrainState.create(self.model, self.optimizer, seed=seed) if state is None else TrainState.from_dict(state)
+        self._own(state_tree)
+        return os.getpid()
+
+    def rejoin(self, root: int) -> int:
+        """Warm restart, after a new communicator was formed: take the state of rank ``root`` (a survivor).
+
+        Returns the step of the state now held.
+        """
+        self.rank = self.comm.rank
+        self._build_steps()
+        tree = self.comm.broadcast(self.state.to_dict() if self.rank == root else None, root=root)
+        self._own(TrainState.from_dict(tree))
+        return int(self.state.step)
+
+    def _build_steps(self) -> None:
         self.comm.mpi.Set_errhandler(_mpi.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
         self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer,
                                           grad_sync=self.comm.allreduce_, rank=self.rank, donate=True)
         self.eval_step = make_eval_step(self.model, {"loss": self.loss_fn, "accuracy": accuracy})
-        if state is None:
-            self.state = TrainState.create(self.model, self.optimizer, seed=seed)
-        else:
-            self.state = TrainState.from_dict(state)
+
+    def _own(self, state: TrainState) -> None:
         # Steps donate the state's memory (update in place), so the state must be this actor's own:
         # what came through Ray may be read-only object-store memory.
-        self.state = _tree.map(lambda t: t.to(self.device).clone() if isinstance(t, torch.Tensor) else t, self.state)
-        return os.getpid()
+        self.state = _tree.map(lambda t: t.to(self.device).clone() if isinstance(t, torch.Tensor) else t, state)
 
     def _batch(self, inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs[index].to(self.device, non_blocking=True), targets[index].to(self.device, non_blocking=True)
@@ -94,17 +107,21 @@ class Worker(comm.Member):
     def run(self, shards: list[torch.Tensor], global_batch_size: int) -> dict[str, Any]:
         """Take one step per entry of ``shards`` (this rank's sample indices).
 
-        Returns ``{"metrics": [...] on rank 0 else None, "sigterm": bool}``.
+        Returns ``{"metrics": [...], "step": int, "aborted": bool, "sigterm": bool}``. A step whose
+        collective is abandoned (the driver's :meth:`abort`, or MPI reporting a lost peer) leaves the
+        state as it was before that step, and the chunk returns early with ``aborted``.
         """
-        history = []
+        history: list[dict[str, Any]] = []
         MPI = _mpi.require()
+        aborted = False
         for index in shards:
             try:
                 self.state, metrics = self.train_step(self.state, self._batch(self.inputs, self.targets, index), global_batch_size)
-            except MPI.Exception as exc:  # a peer died or was cut off: infrastructure, not the user's code
-                raise WorkerLostError(f"rank {self.rank} on {self.host}: a collective failed ({exc.Get_error_string()}), a peer is gone") from None
+            except (CollectiveAborted, MPI.Exception):
+                aborted = True
+                break
             history.append(metrics)
-        return {"metrics": history if self.rank == 0 else None, "sigterm": self.sigterm}
+        return {"metrics": history, "step": int(self.state.step), "aborted": aborted, "sigterm": self.sigterm}
 
     def evaluate(self, index: torch.Tensor) -> dict[str, float] | None:
         """Evaluate this rank's share of the eval set; rank 0 returns the global means."""
@@ -116,6 +133,12 @@ class Worker(comm.Member):
         summed = self.comm.allreduce_([torch.tensor(list(totals.values()), dtype=torch.float64)])[0].tolist()
         loss, correct, samples = summed
         return {"eval_loss": loss / samples, "eval_accuracy": correct / samples} if self.rank == 0 else None
+
+    @ray.method(concurrency_group="health")
+    def abort(self) -> None:
+        """Abandon the collective in flight (a peer failed); the state stays at the last whole step."""
+        if self.comm is not None:
+            self.comm.abort.set()
 
     @ray.method(concurrency_group="health")
     def ping(self) -> int:

@@ -98,7 +98,8 @@ def _when_checkpoint(folder: pathlib.Path, step: int, action, timeout: float = 1
 
 
 def _signal_one_worker(sig: int) -> None:
-    victim = sorted(_workers(), key=lambda p: p.pid)[1]
+    """Send ``sig`` to the second-oldest worker process of the current run."""
+    victim = sorted(_workers(), key=lambda p: p.create_time())[1]
     os.kill(victim.pid, sig)
 
 
@@ -138,6 +139,7 @@ def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrup
 
     lost_record = result.restarts[0]
     assert lost_record["kind"] == "WorkerLostError" and lost_record["world_before"] == 3 and lost_record["world_after"] == 2
+    assert lost_record["path"] == "warm", lost_record
     assert lost_record["restored_step"] >= 20 and lost_record["steps_lost"] >= 0
     assert 0 < lost_record["recovery_s"] < 30
     assert [r["kind"] for r in result.restarts[1:]] == ["Regroup"]  # capacity came back: grown to 3 again
@@ -166,6 +168,7 @@ def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, si
     result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **OPTIONS)
     assert [r["kind"] for r in result.restarts] == [kind]
     record = result.restarts[0]
+    assert record["path"] == "warm" and record["steps_lost"] == 0, record
     assert record["world_after"] == 3 and record["restored_step"] >= 20
     assert record["recovery_s"] < 30
     if sig == signal.SIGSTOP:
