@@ -169,3 +169,14 @@ def test_member_that_never_connects_hits_the_deadline(ray_session):
     assert 4 <= time.monotonic() - start < 10
     assert "2" in str(info.value).split("rank(s)")[1]
     assert _all_dead(ray_session, peers)
+
+
+def test_large_tensors_are_reduced_where_they_lie(ray_session, pool):
+    peers = pool[:2]
+    comm.form(peers, timeout_s=60)
+
+    big = comm.INPLACE_MIN_BYTES // 4  # float32 elements of the smallest in-place tensor
+    results = ray_session.get([p.reduce.remote([torch.full((big + 1,), float(r + 1)), torch.ones(3)], 1 << 20) for r, p in enumerate(peers)])
+    for out, calls in results:
+        assert torch.equal(out[0], torch.full((big + 1,), 3.0)) and out[1].tolist() == [2.0, 2.0, 2.0]
+        assert sorted(calls) == [3, big + 1]  # the big one alone (in place), the small one packed
