@@ -64,6 +64,11 @@ class WorkerGroup:
             env = {**cfg.mpi.environment(multi_host=len({ip_of.get(n) for n in self.nodes}) > 1)}
             threads = cfg.torch_threads or max(1, int(bundle.get("CPU", 1)))
             env["OMP_NUM_THREADS"] = str(threads)
+            if not use_gpu:
+                # Keep freed gradient-sized blocks in glibc's heap: otherwise each step's fresh
+                # gradients page-fault tens of MB back in (measured: up to 28 ms a step on a 5.8M MLP).
+                env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 2**20))
+                env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**31 - 1))
             self._spawn_args = (bundle, env, threads, worker_args, use_gpu)
             self.actors = [self._spawn(i, i) for i in range(world)]
             self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", "startup_timeout_s")
