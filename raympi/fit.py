@@ -189,7 +189,7 @@ class _Run:
 
     def run(self) -> Result:
         self.progress = Progress(self.total, self.cfg.progress)
-        self.sigterm, self.preempted = False, []
+        self.sigterm, self.preempted, self.expanding = False, [], False
         previous = _on_sigterm(lambda *_: setattr(self, "sigterm", True))
         try:
             while True:
@@ -207,8 +207,10 @@ class _Run:
                 self.group.shutdown()
 
     def _recover(self, exc: Exception) -> None:
-        """Cold restart: kill the group, re-form it with the workers the cluster can host, restore the newest state."""
+        """Recover from an infrastructure failure or a planned regroup: warm when the survivors can keep
+        their state, else cold (kill the group, re-form it with what the cluster can host, restore the newest checkpoint)."""
         detected = time.monotonic()
+        self.expanding = False
         grow = isinstance(exc, (_Regroup, _Preempted))  # planned: a fresh checkpoint is in memory
         failed_step = self.history[-1]["step"] if self.history else self.start_step
         record = {
@@ -216,7 +218,7 @@ class _Run:
             "cause": str(exc).splitlines()[0] if str(exc) else "capacity returned", "kind": type(exc).__name__.lstrip("_"),
             "path": "cold", "world_before": self.group.world if self.group else 0,
         }
-        failures = [r for r in self.restarts if r["kind"] not in ("Regroup", "Preempted")]
+        failures = [r for r in self.restarts if r["kind"] not in ("Regroup", "Preempted", "Grow")]
         if not grow and len(failures) >= self.cfg.max_restarts:
             if self.group is not None:
                 self.group.shutdown()
@@ -248,10 +250,12 @@ class _Run:
         replacements; nothing but that step is lost. False when it cannot apply (then a cold restart follows)."""
         group, failed = self.group, sorted(set(getattr(exc, "ranks", [])))
         if group is None or self.sampler.sharded or not failed or len(failed) >= group.world:
+            record["warm_skipped"] = "no survivors known" if group is not None and not self.sampler.sharded else "not possible"
             return False
         survivors = [r for r in range(group.world) if r not in failed]
         for r in survivors:
             group.actors[r].abort.remote()
+        group.replace(failed)  # replacements boot while the survivors drain
         deadline = time.monotonic() + self.cfg.step_timeout_s
         reported: dict[int, dict[str, Any]] = {}
         done = {r: self.history[-1]["step"] if self.history else self.start_step for r in survivors}
@@ -259,28 +263,31 @@ class _Run:
             refs = {r: chunk["refs"][r] for r in survivors}
             ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
             if len(ready) < len(refs):
-                return False  # a survivor does not answer either: cold restart
+                record["warm_skipped"] = f"a survivor did not stop within step_timeout_s={self.cfg.step_timeout_s:g} s"
+                return False
             for r, ref in refs.items():
                 try:
                     res = ray.get(ref)
                 except ray.exceptions.RayActorError:  # lost as well (several ranks on one lost node)
                     failed.append(r)
+                    group.replace([r])
                     continue
-                except ray.exceptions.RayError:
+                except ray.exceptions.RayError as error:
+                    record["warm_skipped"] = f"a survivor failed: {type(error).__name__}"
                     return False
                 done[r] = res["step"]
                 for k, metrics in enumerate(res["metrics"]):
                     reported[chunk["first"] + k + 1] = metrics
             survivors = [r for r in survivors if r not in failed]
             if not survivors:
+                record["warm_skipped"] = "no survivor left"
                 return False
-        failed = sorted(set(failed))
         root = max(survivors, key=lambda r: done[r])
         step = done[root]
         world_before = group.world
         print(f"raympi: {record['cause']}; warm restart of {len(survivors)} survivor(s) at step {step}", file=sys.stderr)
         try:
-            group.warm_restart(failed, root, time.monotonic() + self.cfg.restart_timeout_s)
+            group.reform(survivors, root, time.monotonic() + self.cfg.restart_timeout_s)
         except Exception as warm_error:  # whatever went wrong, the cold path starts from scratch
             record["warm_error"] = f"{type(warm_error).__name__}: {warm_error}"
             return False
@@ -351,7 +358,7 @@ class _Run:
         inflight: deque[dict[str, Any]] = deque()
         next_step, chunk_size, last_done = self.start_step, 1, time.monotonic()
         while next_step < self.total or inflight:
-            while len(inflight) < 2 and next_step < self.total and not (self.preempted or self.sigterm):
+            while len(inflight) < 2 and next_step < self.total and not (self.preempted or self.sigterm or self.expanding):
                 count = min(chunk_size, self._boundary(next_step) - next_step)
                 inflight.append(self._submit(next_step, count))
                 next_step += count
@@ -385,6 +392,11 @@ class _Run:
                 records[-1].update(self.group.gather(chunk["eval"], time.monotonic() + cfg.step_timeout_s, "evaluation", "step_timeout_s")[0])
             self.history.extend(records)
             self.progress.update(chunk["last"], records[-1], force="eval" in chunk or chunk["last"] == self.total)
+            if not self.expanding and self.group.pending_ready() and chunk["last"] < self.total:
+                self.expanding = True  # a replacement is up: drain, then take it in
+            if self.expanding and not inflight and chunk["last"] < self.total:
+                self._expand(chunk["last"])
+                chunk_size, last_done = 1, time.monotonic()
             if (self.preempted or self.sigterm) and not inflight and chunk["last"] < self.total:
                 self._checkpoint_now(chunk, records[-1]["step"])
                 if self.sigterm:
@@ -395,13 +407,27 @@ class _Run:
                 raise _Preempted(f"SIGTERM to rank(s) {self.preempted} (preemption): checkpoint taken at step {chunk['last']}")
             if "state" in chunk:
                 self._save(chunk["state"], chunk["last"])
-                if chunk["last"] < self.total and self.group.world < cfg.workers and cluster_capacity(self.bundle) > self.group.world:
+                if (chunk["last"] < self.total and self.group.world < cfg.workers and not self.group.pending
+                        and cluster_capacity(self.bundle) > self.group.world):
                     raise _Regroup()
         self.store.wait()
         state = TrainState.from_dict(self.memory[1])
         self._write_reports()
         self.model.load_state_dict({**state.params, **state.buffers}, strict=False)
         return Result(state=state, model=self.model, metrics=self.history, checkpoint=self.checkpoint, restarts=self.restarts)
+
+    def _expand(self, step: int) -> None:
+        """Take the replacements that are ready into the group (warm: rank 0's state by broadcast)."""
+        self.expanding = False
+        before, start = self.group.world, time.monotonic()
+        record = {"time": time.time(), "step": step, "ranks": [], "nodes": [], "cause": "replacement ready", "kind": "Grow",
+                  "path": "warm", "world_before": before, "restored_step": step, "steps_lost": 0}
+        try:
+            self.group.reform(list(range(before)), 0, time.monotonic() + self.cfg.restart_timeout_s)
+        except Exception as exc:  # a failed expansion is a failure like any other
+            raise WorkerLostError(f"taking in a replacement at step {step} failed: {type(exc).__name__}: {exc}") from None
+        record.update(world_after=self.group.world, recovery_s=time.monotonic() - start)
+        self.restarts.append(record)
 
     def _checkpoint_now(self, chunk: dict[str, Any], step: int) -> None:
         """A checkpoint at the current step, on disk before returning (preemption)."""

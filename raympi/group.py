@@ -53,6 +53,7 @@ class WorkerGroup:
         self.hosts: list[str] = []
         self.nodes: list[str] = []
         self.pg = None
+        self.pending: list[tuple[Any, int, Any]] = []  # replacements still starting: (actor, bundle, ready ref)
         deadline = time.monotonic() + cfg.startup_timeout_s
         bundle = worker_bundle(cfg, use_gpu)
         try:
@@ -92,36 +93,51 @@ class WorkerGroup:
             runtime_env={"env_vars": env}, max_restarts=0,
         ).remote(*worker_args, rank, "cuda" if use_gpu else "cpu", threads)
 
-    def warm_restart(self, failed: list[int], root: int, deadline: float) -> int:
-        """Keep the survivors and their state; replace the ``failed`` ranks where the cluster allows.
+    def replace(self, failed: list[int]) -> None:
+        """Kill the ``failed`` ranks and start replacements in the background where live nodes have room.
 
-        Survivors keep their order (rank 0 first), replacements follow; the new communicator is
-        formed among them and every rank takes the state of old rank ``root`` (a survivor).
-        Returns the new world size.  Any failure here leaves the caller to do a cold restart.
+        The replacements wait in :attr:`pending` until :meth:`reform` takes them in.
         """
-        survivors = [r for r in range(self.world) if r not in failed]
         for r in failed:
             ray.kill(self.actors[r], no_restart=True)
-        # Replace only what the live nodes can host (a lost node's bundle cannot come back by itself).
-        room = max(0, cluster_capacity(self._spawn_args[0]) - len(survivors))
-        fresh = [self._spawn(self.bundles[r], len(survivors) + i) for i, r in enumerate(failed[:room])]
-        ready_refs = [a.__ray_ready__.remote() for a in fresh]
-        ready, _ = ray.wait(ready_refs, num_returns=len(fresh), timeout=max(0.5, deadline - time.monotonic())) if fresh else ([], [])
-        keep = [i for i, ref in enumerate(ready_refs) if ref in ready]
-        for i, actor in enumerate(fresh):
-            if i not in keep:  # its node is gone and nothing can host it now: go on without it
-                ray.kill(actor, no_restart=True)
-        if len(survivors) + len(keep) < self.cfg.min_workers:
-            raise CapacityError(f"only {len(survivors) + len(keep)} worker(s) left, fewer than min_workers={self.cfg.min_workers}")
-        self.actors = [self.actors[r] for r in survivors] + [fresh[i] for i in keep]
-        self.bundles = [self.bundles[r] for r in survivors] + [self.bundles[failed[i]] for i in keep]
+        room = max(0, cluster_capacity(self._spawn_args[0]) - (self.world - len(failed)) - len(self.pending))
+        for r in failed[:room]:  # a lost node's bundle has nowhere to go until capacity returns
+            actor = self._spawn(self.bundles[r], rank=-1)
+            self.pending.append((actor, self.bundles[r], actor.__ray_ready__.remote()))
+
+    def pending_ready(self) -> bool:
+        """Whether a replacement started by :meth:`replace` is ready to join."""
+        return bool(self.pending) and bool(ray.wait([ref for _, _, ref in self.pending], timeout=0)[0])
+
+    def reform(self, keep: list[int], root: int, deadline: float) -> None:
+        """A new communicator of the old ranks ``keep`` (in order) and the replacements ready by now.
+
+        Waits for replacements only while fewer than ``min_workers`` ranks would be left; the others
+        stay pending and join later (another :meth:`reform`).  Every rank then takes the state of old
+        rank ``root`` by broadcast.  Any failure here leaves the caller to do a cold restart.
+        """
+        ready: list[tuple[Any, int, Any]] = []
+        while True:
+            for item in [p for p in self.pending if ray.wait([p[2]], timeout=0)[0]]:
+                self.pending.remove(item)
+                try:
+                    ray.get(item[2])
+                    ready.append(item)
+                except ray.exceptions.RayError:
+                    ray.kill(item[0], no_restart=True)
+            if len(keep) + len(ready) >= self.cfg.min_workers or not self.pending or time.monotonic() > deadline:
+                break
+            ray.wait([ref for _, _, ref in self.pending], num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if len(keep) + len(ready) < self.cfg.min_workers:
+            raise CapacityError(f"only {len(keep) + len(ready)} worker(s) could be kept or started, fewer than min_workers={self.cfg.min_workers}")
+        self.actors = [self.actors[r] for r in keep] + [a for a, _, _ in ready]
+        self.bundles = [self.bundles[r] for r in keep] + [b for _, b, _ in ready]
         self.world = len(self.actors)
         members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=self.cfg.bucket_bytes)
         self.hosts = [host for _, _, host in members]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
-        self.gather([a.rejoin.remote(survivors.index(root)) for a in self.actors], deadline, "re-forming the group", "restart_timeout_s")
-        return self.world
+        self.gather([a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group", "restart_timeout_s")
 
     def _place(self, bundle: dict[str, float], deadline: float) -> None:
         can_host = cluster_capacity(bundle)
@@ -194,9 +210,9 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every actor and release the placement group (idempotent)."""
-        for actor in self.actors:
+        for actor in self.actors + [a for a, _, _ in self.pending]:
             ray.kill(actor, no_restart=True)
-        self.actors = []
+        self.actors, self.pending = [], []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -142,7 +142,8 @@ def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrup
     assert lost_record["path"] == "warm", lost_record
     assert lost_record["restored_step"] >= 20 and lost_record["steps_lost"] >= 0
     assert 0 < lost_record["recovery_s"] < 30
-    assert [r["kind"] for r in result.restarts[1:]] == ["Regroup"]  # capacity came back: grown to 3 again
+    # capacity came back: grown to 3 again, warm (the replacement waiting for a node joins) or cold
+    assert [r["kind"] for r in result.restarts[1:]] in (["Grow"], ["Regroup"]), result.restarts
     worlds = [r["world_size"] for r in result.metrics]
     assert 2 in worlds and worlds[-1] == 3
     assert [r["step"] for r in result.metrics] == list(range(1, len(result.metrics) + 1))
