@@ -1,0 +1,527 @@
+"""raympi against the usual ways of data-parallel PyTorch training on CPU, same workload, interleaved.
+
+Contenders, each training the same model from the same initial weights on the same global batches
+(SGD lr 0.01, no momentum; 32 samples per worker, global batch 32*W; loss = mean over the global
+batch; 1 torch thread per process, CPU):
+
+    raympi            raympi.fit on a fresh local Ray (ray.init(address="local", num_cpus=W))
+    torchrun-ddp      python -m torch.distributed.run --standalone --nproc_per_node W, DDP over gloo
+    raytrain          Ray Train TorchTrainer (ScalingConfig(num_workers=W)), prepare_model (DDP, gloo),
+                      on a fresh local Ray; Train V2 is Ray 2.60's default and is what runs
+    mpiexec-template  the classic mpi4py template under the mpich wheel's mpiexec: loss.backward(),
+                      then comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM) per parameter, / W
+    floor             one process, batch 32 (one worker's share), no communication: the compute floor
+
+Models: the CNN of examples/mnist.py (``Net``, 108k parameters) and an MLP 784-2048-2048-10 (5.8M).
+Data: synthetic MNIST-shaped tensors of a fixed seed, N = 32*W*E samples, so that one epoch is
+E = --warmup steps.  Every contender reads raympi's own order (raympi.data.epoch_order(seed, epoch,
+N), step i of the epoch is order[i*B:(i+1)*B], split by rank_slices into contiguous parts).  The
+short epoch is what gives raympi's driver-side clock a chunk boundary exactly at the end of the
+warm-up (raympi ends a chunk of steps at every epoch end); it also caps its chunks at E steps,
+smaller than the ~0.5 s chunks it picks on long epochs, which if anything is pessimistic for raympi.
+
+Timing: ms/step in the steady state = wall time of steps warmup+1..steps / (steps - warmup).
+The subprocess contenders time it inside rank 0 between two barriers; raympi from the driver-observed
+times of its metrics records (step `warmup` to the last step).  "launch s" is the time from the start
+of the contender (raympi: the fit() call; Ray Train: trainer.fit(); the others: the subprocess launch)
+to the end of rank 0's first step; Ray's own start (ray.init) is not included.
+
+Correctness: every contender but the floor saves its final parameters; each must agree with raympi's
+(or, without raympi, the first one that ran) to atol = rtol = 1e-4 (summation orders differ), else
+FAIL and a non-zero exit.
+
+Run:
+    python benchmarks/compare.py                      # 3 runs x 2 models x W in (2, 4) x 5 contenders, 40 steps (10 warm-up)
+                                                      # about 20 min on 2 busy cores: launches, not steps, dominate
+    python benchmarks/compare.py --models cnn --workers 2 --contenders raympi,torchrun-ddp
+    python benchmarks/compare.py --quick              # 1 run, CNN, W=2, 15 steps, raympi + mpiexec + floor
+
+Writes benchmarks/out/compare.csv (every run) and benchmarks/out/compare.png (median ms/step, min-max bars).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MNIST_EXAMPLE = ROOT / "examples" / "mnist.py"
+OUT = Path(__file__).resolve().parent / "out"
+BIN = Path(sys.executable).parent
+
+PER_WORKER = 32
+LR = 0.01
+SEED = 0
+ATOL = RTOL = 1e-4
+CHILD_TIMEOUT_S = 600
+
+MODELS = ("cnn", "mlp")
+CONTENDERS = ("raympi", "torchrun-ddp", "raytrain", "mpiexec-template", "floor")
+COMPARED = ("raympi", "torchrun-ddp", "mpiexec-template", "raytrain")  # order of preference for the reference
+
+
+# ---------------------------------------------------------------- the workload (driver and children)
+
+def build_model(name: str) -> nn.Module:
+    """A fresh model: 'cnn' is examples/mnist.py's Net (its class source, run here without importing raympi), 'mlp' the 5.8M MLP."""
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    if name == "cnn":
+        return _net_class()()
+    raise ValueError(f"unknown model {name!r}")
+
+
+def _net_class() -> type:
+    """``Net`` from examples/mnist.py's source.
+
+    Importing the example imports raympi (and with it Ray, ~4 s, and mpi4py with MPI_Init turned off), which the
+    torchrun / mpiexec / floor processes should not pay or inherit; the driver imports it for real (importlib)
+    and checks that both give the same parameter shapes.
+    """
+    tree = ast.parse(MNIST_EXAMPLE.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Net"]
+    namespace: dict[str, Any] = {"torch": torch, "nn": nn, "__name__": "examples_mnist_net"}
+    exec(compile(ast.Module(body=[cls], type_ignores=[]), str(MNIST_EXAMPLE), "exec"), namespace)
+    return namespace["Net"]
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
+    """raympi.data.epoch_order, restated so that children need not import raympi (the driver checks they agree)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def local_indices(step: int, n: int, world: int, rank: int, seed: int = SEED) -> torch.Tensor:
+    """This rank's sample indices at global ``step``: raympi's order and split."""
+    batch = PER_WORKER * world
+    epoch, i = divmod(step, n // batch)
+    return torch.tensor_split(epoch_order(seed, epoch, n)[i * batch : (i + 1) * batch], world)[rank]
+
+
+def _run_loop(spec: dict[str, Any], rank: int, world: int, model: nn.Module, raw: nn.Module,
+              sync: Optional[Callable[[], None]], barrier: Callable[[], None]) -> None:
+    """The shared loop: SGD steps on this rank's part of each global batch, timed between barriers; rank 0 writes the result.
+
+    ``world`` is the number of ranks of the workload (the floor runs rank 0's part alone with world=W).
+    """
+    torch.set_num_threads(1)
+    data = torch.load(spec["data"], weights_only=True)
+    x, y = data["x"], data["y"]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    steps, warmup = spec["steps"], spec["warmup"]
+    indices = [local_indices(s, len(x), world, rank) for s in range(steps)]
+    first_step_wall = t0 = None
+    for s in range(steps):
+        if s == warmup:
+            barrier()
+            t0 = time.perf_counter()
+        idx = indices[s]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        if sync is not None:
+            sync()
+        opt.step()
+        if s == 0:
+            first_step_wall = time.time()
+    barrier()
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        params = {k: v.detach().clone() for k, v in raw.named_parameters()}
+        torch.save(params, spec["params"])
+        Path(spec["result"]).write_text(json.dumps({
+            "ms_per_step": 1000 * elapsed / (steps - warmup), "first_step_wall": first_step_wall, "world": world,
+            "pid": os.getpid(),
+        }))
+
+
+def _load_model(spec: dict[str, Any]) -> nn.Module:
+    model = build_model(spec["model"])
+    model.load_state_dict(torch.load(spec["init"], weights_only=True))
+    return model
+
+
+def _child(mode: str, spec_path: str) -> None:
+    """Entry point of the subprocess contenders (this file run with --child)."""
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    if mode == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo")
+        model = _load_model(spec)
+        ddp = DDP(model)
+        _run_loop(spec, dist.get_rank(), dist.get_world_size(), ddp, model, None, dist.barrier)
+        dist.destroy_process_group()
+    elif mode == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        world = comm.Get_size()
+        model = _load_model(spec)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def sync() -> None:  # the classic template: one Allreduce per parameter, then the mean
+            for p in params:
+                comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                p.grad.div_(world)
+
+        _run_loop(spec, comm.Get_rank(), world, model, model, sync, comm.Barrier)
+    elif mode == "floor":
+        model = _load_model(spec)
+        _run_loop(spec, 0, spec["workers"], model, model, None, lambda: None)
+    else:
+        raise SystemExit(f"unknown child mode {mode!r}")
+
+
+def _raytrain_loop(spec: dict[str, Any]) -> None:
+    """Ray Train's train_loop_per_worker: prepare_model wraps the model in DDP (gloo, set up by TorchTrainer)."""
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    model = _load_model(spec)
+    ddp = ray.train.torch.prepare_model(model)
+    _run_loop(spec, ctx.get_world_rank(), ctx.get_world_size(), ddp, model, None, dist.barrier)
+
+
+# ---------------------------------------------------------------- the contenders, seen from the driver
+
+def _run_subprocess(cmd: list[str], spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    launch = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # our own child's process group (torchrun / mpiexec and its ranks)
+        output, _ = proc.communicate()
+        raise RuntimeError(f"timed out after {timeout_s:.0f} s: {output[-1500:]}")
+    if proc.returncode != 0 or not Path(spec["result"]).exists():
+        raise RuntimeError(f"exit {proc.returncode}: {output[-1500:]}")
+    res = json.loads(Path(spec["result"]).read_text())
+    return {"ms_per_step": res["ms_per_step"], "launch_s": res["first_step_wall"] - launch, "params": spec["params"]}
+
+
+def run_torchrun(spec: dict[str, Any], workers: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+           str(Path(__file__).resolve()), "--child", "ddp", "--spec", spec["path"]]
+    return _run_subprocess(cmd, spec, CHILD_TIMEOUT_S)
+
+
+def run_mpiexec(spec: dict[str, Any], workers: int) -> dict[str, Any]:
+    mpiexec = BIN / "mpiexec" if (BIN / "mpiexec").exists() else shutil.which("mpiexec")
+    if not mpiexec:
+        raise RuntimeError("no mpiexec next to the interpreter or on PATH (pip install mpich)")
+    cmd = [str(mpiexec), "-n", str(workers), sys.executable, str(Path(__file__).resolve()), "--child", "mpi", "--spec", spec["path"]]
+    return _run_subprocess(cmd, spec, CHILD_TIMEOUT_S)
+
+
+def run_floor(spec: dict[str, Any], workers: int) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "floor", "--spec", spec["path"]]
+    res = _run_subprocess(cmd, spec, CHILD_TIMEOUT_S)
+    res["params"] = None  # batch 32, not the global batch: a different trajectory, not compared
+    return res
+
+
+def _ray_init(workers: int) -> None:
+    import ray
+
+    ray.init(address="local", num_cpus=workers, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+
+
+def run_raympi(spec: dict[str, Any], workers: int) -> dict[str, Any]:
+    import ray
+
+    import raympi
+
+    torch.set_num_threads(1)
+    mnist = _mnist_module()
+    model = mnist.Net() if spec["model"] == "cnn" else build_model(spec["model"])
+    model.load_state_dict(torch.load(spec["init"], weights_only=True))
+    data = torch.load(spec["data"], weights_only=True)
+    steps, warmup = spec["steps"], spec["warmup"]
+    _ray_init(workers)
+    try:
+        start = time.time()
+        result = raympi.fit(
+            model, (data["x"], data["y"]), workers=workers, epochs=-(-steps // warmup), max_steps=steps,
+            batch_size=PER_WORKER * workers, optimizer=raympi.optim.sgd(LR), progress=False, seed=SEED,
+            checkpoint_dir=spec["dir"] + "/raympi-ckpt", checkpoint_every=0, torch_threads=1,
+        )
+    finally:
+        ray.shutdown()
+    times = {r["step"]: r["time"] for r in result.metrics}
+    if sorted(times) != list(range(1, steps + 1)):
+        raise RuntimeError(f"raympi reported steps {sorted(times)[:5]}..., not 1..{steps}")
+    torch.save({k: v.clone() for k, v in result.state.params.items()}, spec["params"])
+    return {"ms_per_step": 1000 * (times[steps] - times[warmup]) / (steps - warmup), "launch_s": times[1] - start,
+            "params": spec["params"]}
+
+
+def run_raytrain(spec: dict[str, Any], workers: int) -> dict[str, Any]:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    _ray_init(workers)
+    try:
+        trainer = TorchTrainer(
+            _raytrain_loop, train_loop_config=spec,
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
+            run_config=RunConfig(name="compare", storage_path=spec["dir"] + "/raytrain-storage"),
+        )
+        start = time.time()
+        trainer.fit()
+    finally:
+        ray.shutdown()
+    res = json.loads(Path(spec["result"]).read_text())
+    return {"ms_per_step": res["ms_per_step"], "launch_s": res["first_step_wall"] - start, "params": spec["params"]}
+
+
+RUNNERS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
+    "raympi": run_raympi, "torchrun-ddp": run_torchrun, "raytrain": run_raytrain,
+    "mpiexec-template": run_mpiexec, "floor": run_floor,
+}
+
+
+_MNIST = None
+
+
+def _mnist_module():
+    """examples/mnist.py imported for real (importlib), its module shipped to Ray workers by value."""
+    global _MNIST
+    if _MNIST is None:
+        import importlib.util
+
+        import ray.cloudpickle
+
+        spec = importlib.util.spec_from_file_location("raympi_examples_mnist", MNIST_EXAMPLE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        ray.cloudpickle.register_pickle_by_value(module)
+        _MNIST = module
+    return _MNIST
+
+
+# ---------------------------------------------------------------- driver
+
+def _prepare(tmp: Path, models: list[str], workers: list[int], steps: int, warmup: int) -> dict[str, Any]:
+    """Initial weights per model and one dataset per W, saved for every contender; checks of the restated helpers."""
+    from raympi import data as rdata
+
+    files: dict[str, Any] = {"init": {}, "data": {}}
+    for name in models:
+        torch.manual_seed(SEED)
+        model = _mnist_module().Net() if name == "cnn" else build_model(name)
+        mine = build_model(name).state_dict()
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if shapes != {k: tuple(v.shape) for k, v in mine.items()}:
+            raise SystemExit("compare.py: the Net restated from examples/mnist.py differs from the imported one")
+        files["init"][name] = str(tmp / f"init-{name}.pt")
+        torch.save(model.state_dict(), files["init"][name])
+        print(f"# {name}: {sum(p.numel() for p in model.parameters()):,} parameters", file=sys.stderr)
+    for w in workers:
+        n = PER_WORKER * w * warmup  # one epoch = `warmup` steps: raympi's chunks end there
+        g = torch.Generator().manual_seed(SEED)
+        x = torch.randn(n, 1, 28, 28, generator=g)
+        y = torch.randint(0, 10, (n,), generator=g)
+        files["data"][w] = str(tmp / f"data-W{w}.pt")
+        torch.save({"x": x, "y": y}, files["data"][w])
+        for step in (0, warmup - 1, warmup, steps - 1):  # the restated order must be raympi's
+            epoch, i = divmod(step, n // (PER_WORKER * w))
+            b = PER_WORKER * w
+            theirs = rdata.rank_slices(rdata.epoch_order(SEED, epoch, n)[i * b : (i + 1) * b], w)
+            if any(not torch.equal(local_indices(step, n, w, r), theirs[r]) for r in range(w)):
+                raise SystemExit("compare.py: the restated data order differs from raympi.data's")
+    return files
+
+
+def _compare(ref: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> tuple[bool, float]:
+    if set(ref) != set(other):
+        return False, float("inf")
+    diff = max((ref[k] - other[k]).abs().max().item() for k in ref)
+    return all(torch.allclose(other[k], ref[k], rtol=RTOL, atol=ATOL) for k in ref), diff
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40, help="steps per run, warm-up included")
+    p.add_argument("--warmup", type=int, default=10, help="steps not timed (also the epoch length)")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--workers", default="2,4")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--quick", action="store_true", help="1 run, cnn, W=2, 15 steps (5 warm-up), raympi + mpiexec-template + floor")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        _child(args.child, args.spec)
+        return 0
+    if args.quick:
+        args.runs, args.steps, args.warmup = 1, 15, 5
+        args.models, args.workers, args.contenders = "cnn", "2", "raympi,mpiexec-template,floor"
+    models = [m for m in args.models.split(",") if m]
+    workers = [int(w) for w in args.workers.split(",") if w]
+    contenders = [c for c in args.contenders.split(",") if c]
+    bad = [m for m in models if m not in MODELS] + [c for c in contenders if c not in CONTENDERS]
+    if bad or args.warmup < 1 or args.steps <= args.warmup:
+        p.error(f"unknown {bad}" if bad else "need 1 <= warmup < steps")
+
+    tmp = Path(tempfile.mkdtemp(prefix="raympi-compare-"))
+    rows: list[dict[str, Any]] = []
+    failed = False
+    try:
+        files = _prepare(tmp, models, workers, args.steps, args.warmup)
+        for run in range(args.runs):
+            for model in models:
+                for w in workers:
+                    k = run % len(contenders)  # rotate who goes first, so drifts in machine speed spread out
+                    params: dict[str, dict[str, torch.Tensor]] = {}
+                    for name in contenders[k:] + contenders[:k]:
+                        tag = f"{run}-{model}-W{w}-{name}"
+                        spec = {"model": model, "init": files["init"][model], "data": files["data"][w], "workers": w,
+                                "steps": args.steps, "warmup": args.warmup, "dir": str(tmp), "path": str(tmp / f"{tag}.json"),
+                                "result": str(tmp / f"{tag}.result.json"), "params": str(tmp / f"{tag}.params.pt")}
+                        Path(spec["path"]).write_text(json.dumps(spec))
+                        row: dict[str, Any] = {"run": run, "model": model, "workers": w, "contender": name, "ms_per_step": None,
+                                               "launch_s": None, "max_param_diff": None, "params_match": "", "error": ""}
+                        began = time.time()
+                        try:
+                            res = RUNNERS[name](spec, w)
+                            row.update(ms_per_step=res["ms_per_step"], launch_s=res["launch_s"])
+                            if res["params"]:
+                                params[name] = torch.load(res["params"], weights_only=True)
+                        except Exception as exc:  # recorded, reported, and the exit status says so
+                            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                            failed = True
+                            traceback.print_exc(file=sys.stderr)
+                        rows.append(row)
+                        ms = f"{row['ms_per_step']:.2f} ms/step" if row["ms_per_step"] is not None else row["error"]
+                        print(f"# run {run} {model} W={w} {name}: {ms} ({time.time() - began:.1f} s)", file=sys.stderr, flush=True)
+                    ref_name = next((c for c in COMPARED if c in params), None)
+                    init = torch.load(files["init"][model], weights_only=True)
+                    for row in rows[-len(contenders):]:
+                        if row["contender"] not in params:
+                            row["params_match"] = "n/a" if row["contender"] == "floor" else "ERROR"
+                            continue
+                        ok, diff = _compare(params[ref_name], params[row["contender"]])
+                        row["max_param_diff"] = diff
+                        row["params_match"] = "ref" if row["contender"] == ref_name else ("PASS" if ok else "FAIL")
+                        failed |= not ok
+                    if ref_name:
+                        moved = max((params[ref_name][k] - init[k]).abs().max().item() for k in init)
+                        if moved < 10 * ATOL:
+                            print(f"# WARNING: {model} W={w}: the parameters moved only {moved:.1e} from init", file=sys.stderr)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    with open(OUT / "compare.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = _summarize(rows, models, workers, contenders)
+    _print_table(summary, args)
+    _plot(summary, models, workers, contenders, OUT / "compare.png")
+    print(f"\nwrote {OUT / 'compare.csv'} and {OUT / 'compare.png'}")
+    if failed:
+        print("FAILED: a contender errored or ended with other parameters (see above)")
+    return 1 if failed else 0
+
+
+def _summarize(rows, models, workers, contenders) -> list[dict[str, Any]]:
+    out = []
+    for m in models:
+        for w in workers:
+            group = [r for r in rows if r["model"] == m and r["workers"] == w]
+            ref = [r["ms_per_step"] for r in group if r["contender"] == "raympi" and r["ms_per_step"] is not None]
+            for c in contenders:
+                mine = [r for r in group if r["contender"] == c]
+                ms = [r["ms_per_step"] for r in mine if r["ms_per_step"] is not None]
+                launch = [r["launch_s"] for r in mine if r["launch_s"] is not None]
+                marks = {r["params_match"] for r in mine}
+                match = next((x for x in ("ERROR", "FAIL") if x in marks), None) or ("ref" if marks == {"ref"} else "PASS" if marks <= {"PASS", "ref"} else "n/a")
+                diffs = [r["max_param_diff"] for r in mine if r["max_param_diff"] is not None]
+                med = statistics.median(ms) if ms else None
+                out.append({
+                    "model": m, "workers": w, "contender": c, "n": len(ms),
+                    "min": min(ms) if ms else None, "median": med, "max": max(ms) if ms else None,
+                    "ratio": med / statistics.median(ref) if ms and ref else None,
+                    "launch": statistics.median(launch) if launch else None, "match": match,
+                    "diff": max(diffs) if diffs else None,
+                })
+    return out
+
+
+def _print_table(summary, args) -> None:
+    fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])  # noqa: E731
+    print(f"\nms/step over steps {args.warmup + 1}-{args.steps} ({args.steps - args.warmup} timed after {args.warmup} warm-up), "
+          f"{args.runs} run(s); batch {PER_WORKER}/worker; ratio = contender median / raympi median")
+    header = f"{'model':5} | {'W':>2} | {'contender':16} | {'min':>8} | {'median':>8} | {'max':>8} | {'ratio':>6} | {'launch s':>8} | params match"
+    print(header)
+    print("-" * len(header))
+    for s in summary:
+        diff = f" (max diff {s['diff']:.1e})" if s["match"] in ("PASS", "FAIL") and s["diff"] is not None else ""
+        print(f"{s['model']:5} | {s['workers']:>2} | {s['contender']:16} | {fmt(s['min'], '8.2f')} | {fmt(s['median'], '8.2f')} | "
+              f"{fmt(s['max'], '8.2f')} | {fmt(s['ratio'], '6.2f')} | {fmt(s['launch'], '8.2f')} | {s['match']}{diff}")
+    launches = {c: [s["launch"] for s in summary if s["contender"] == c and s["launch"] is not None] for c in ("raympi", "raytrain")}
+    if all(launches.values()):
+        a, b = statistics.median(launches["raympi"]), statistics.median(launches["raytrain"])
+        print(f"launch to first completed step (median over models and W, Ray start excluded): raympi {a:.2f} s, Ray Train {b:.2f} s ({b / a:.1f}x)")
+
+
+def _plot(summary, models, workers, contenders, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    width = 0.8 / len(contenders)
+    for ax, m in zip(axes[0], models):
+        for j, c in enumerate(contenders):
+            xs, ys, lo, hi = [], [], [], []
+            for i, w in enumerate(workers):
+                s = next(s for s in summary if s["model"] == m and s["workers"] == w and s["contender"] == c)
+                if s["median"] is not None:
+                    xs.append(i + (j - (len(contenders) - 1) / 2) * width)
+                    ys.append(s["median"])
+                    lo.append(s["median"] - s["min"])
+                    hi.append(s["max"] - s["median"])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=c)
+        ax.set_xticks(range(len(workers)), [f"W={w}" for w in workers])
+        ax.set_ylabel("ms / step (median; bars: min-max)")
+        ax.set_title(f"{m}: {PER_WORKER} samples/worker, CPU, 1 thread/worker")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,561 @@
+"""Recovery time after a failure: raympi (warm and cold paths) against Ray Train's ``TorchTrainer``.
+
+Recovery time is measured by the benchmark itself, on the wall clock, from the
+moment it injects the failure to the first training step completed after it:
+
+    raympi, killed worker     one Worker process SIGKILLed; one local Ray node (4 CPUs)
+    raympi, removed node      ray.cluster_utils.Cluster: a 0-CPU head and three 1-CPU nodes;
+                              the node hosting one of the two workers is removed
+                              (Cluster.remove_node); the replacement goes to the spare node
+    Ray Train, killed worker  one RayTrainWorker process SIGKILLed; one local Ray node (4 CPUs),
+                              TorchTrainer + FailureConfig(max_failures=1), Ray Train's defaults
+
+raympi's paths: "warm" is raympi as it ships (the survivors keep their state,
+only failed ranks are replaced; cold when that cannot apply), "elastic" is the same
+with min_workers=1 (the survivor goes on at once, the replacement joins when it is
+up, warm, as a "Grow" event), "cold" disables the
+warm attempt in the driver (``_Run._warm`` patched to decline) so the group is
+killed, re-formed and restored from the newest checkpoint.  A raympi without a
+warm path is reported as such, not measured.
+
+Both frameworks train the same model (784-256-10 MLP on random MNIST-shaped data
+of a fixed seed, Adam 1e-3) with 2 workers on CPU, 1 torch thread each, global
+batch 64, a checkpoint every 20 steps.  The model sleeps PACE_S per forward so the
+runs go at a known pace and the failure lands mid-run on any machine.  The failure
+is injected once the checkpoint of step 40 exists (raympi: its folder appears;
+Ray Train: its controller has registered it, which it does lazily, some 20 steps
+later, so Ray Train restores step 40 rather than step 20).
+
+raympi: "the first step after" is the first record of ``Result.metrics``
+received after the injection whose step is past the restored one; the table also
+shows raympi's own ``recovery_s`` (failure *noticed* by the driver -> first step)
+and ``steps_lost`` (steps the driver had received and has to redo).  Ray Train:
+the training loop appends (time, step, pid, rank) to a file after each step; the
+first step after is the first line written after the injection by a process that
+had not written before it (a restarted worker); steps lost = last step written
+before the injection - the step training resumed from.  Only processes of the
+benchmark's own Ray instance are ever signalled.
+
+The scenarios run interleaved (A B C ..., A B C ..., ...); each starts and stops
+its own Ray instance.  A run with more failures than the injected one (another
+process killed a worker) is shown and excluded from the stats.  The table gives
+median/min/max and the ratio Ray Train / raympi of the medians;
+benchmarks/out/recovery.csv has every run, recovery_summary.csv the table
+(recovery_quick*.csv with --quick).
+
+Run:
+    python benchmarks/recovery.py              # 3 runs of each of 5 scenarios: about 8-10 minutes on 2 cores
+    python benchmarks/recovery.py --runs 5
+    python benchmarks/recovery.py --quick      # 1 run, raympi killed worker (default path) only, small data (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import raympi  # noqa: E402
+
+if __name__ != "__main__":  # imported: the model and the train loop must still reach the workers by value
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PACE_S = 0.005  # sleep per forward pass, in both frameworks
+BATCH = 64
+WORKERS = 2
+CHECKPOINT_EVERY = 20
+FAIL_AFTER_CHECKPOINT = 40  # inject the failure once the checkpoint of this step exists
+SEED = 0
+OUT = Path(__file__).resolve().parent / "out"
+
+RAYTRAIN_KILL = "Ray Train killed worker"
+
+
+class PacedMLP(nn.Sequential):
+    """784-256-10; defined in this script so Ray pickles it by value (workers cannot import benchmarks/)."""
+
+    def forward(self, x):
+        time.sleep(PACE_S)
+        return super().forward(x)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(SEED)
+    return PacedMLP(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _ray_init(**kwargs: Any) -> None:
+    import ray
+
+    ray.init(logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, **kwargs)
+
+
+def _raylet_pids(nodes: list[Any]) -> set[int]:
+    from ray._private import ray_constants
+
+    return {info.process.pid for node in nodes for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])}
+
+
+def _own_raylets() -> set[int]:
+    """The raylet of the Ray instance this driver started (ray.init(address="local"))."""
+    import ray._private.worker
+
+    return _raylet_pids([ray._private.worker._global_node])
+
+
+def _processes(prefix: str, raylets: set[int]) -> list[psutil.Process]:
+    """Live processes titled ``prefix``... (Ray titles actors 'ray::<Class>...') started by one of ``raylets``.
+
+    Only our own Ray instance's: other Ray instances on the machine (other people's tests) are left alone.
+    """
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if cmd and cmd[0].startswith(prefix) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                if any(parent.pid in raylets for parent in p.parents()):
+                    found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float, stop: threading.Event) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop.is_set():
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class _Injector:
+    """A thread that waits for ``ready()`` and then runs ``inject()``, noting the wall-clock time just before."""
+
+    def __init__(self, ready: Callable[[], bool], inject: Callable[[], None], timeout: float = 180.0) -> None:
+        self.time: Optional[float] = None
+        self.error: Optional[str] = None
+        self.stop = threading.Event()
+
+        def run() -> None:
+            if not _wait_for(ready, timeout, self.stop):
+                self.error = "the failure was never injected (the run ended or stalled before the checkpoint)"
+                return
+            try:
+                self.time = time.time()
+                inject()
+            except Exception as exc:  # reported with the run
+                self.error = f"injecting the failure raised {type(exc).__name__}: {exc}"
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+
+# ---------------------------------------------------------------- raympi
+
+
+def _fit_run_class() -> Any:
+    return sys.modules["raympi.fit"]._Run
+
+
+def has_warm_path() -> bool:
+    """Whether this raympi tries a warm restart before the cold one (``_Run._warm``, in the tree since the warm path landed)."""
+    return hasattr(_fit_run_class(), "_warm")
+
+
+def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
+    """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the driver."""
+    run_cls = _fit_run_class()
+    saved = run_cls.__dict__.get("_warm")
+    if path == "cold" and saved is not None:
+        run_cls._warm = lambda self, *args, **kwargs: False
+    try:
+        return raympi.fit(
+            make_model(), make_data(n), workers=WORKERS, batch_size=BATCH, epochs=10**6, max_steps=steps,
+            checkpoint_every=CHECKPOINT_EVERY, checkpoint_dir=folder, progress=False, seed=SEED, torch_threads=1,
+            optimizer=raympi.optim.adam(1e-3), min_workers=1 if path == "elastic" else WORKERS,
+        )
+    finally:
+        if saved is not None:
+            run_cls._warm = saved
+
+
+def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[str, Any]:
+    failures = [r for r in result.restarts if r["kind"] not in ("Regroup", "Preempted", "Grow")]
+    if not failures:
+        raise RuntimeError("raympi did not restart: the failure landed after the run ended")
+    notes = []
+    if len(failures) > 1:
+        notes.append(f"{len(failures)} failures, not 1 ({'; '.join(r['cause'][:80] for r in failures[1:])}): excluded from the stats")
+    if failures[0].get("path", "cold") != path:
+        notes.append(f"path {failures[0].get('path', 'cold')}, not {path}" + (f" ({failures[0]['warm_error'][:120]})" if failures[0].get("warm_error") else ""))
+    note = "; ".join(notes)
+    record = failures[0]
+    after = [m for m in result.metrics if m["time"] > injected and m["step"] > record["restored_step"]]
+    if not after:
+        raise RuntimeError("no step completed after the failure")
+    return {
+        "recovery_s": after[0]["time"] - injected, "reported_recovery_s": record.get("recovery_s"),
+        "steps_lost": record["steps_lost"], "restored_step": record["restored_step"], "kind": record["kind"],
+        "world_before": record["world_before"], "world_after": record["world_after"], "restarts": len(failures),
+        "path": record.get("path", "cold"), "note": note,
+    }
+
+
+def _checkpoint_exists(folder: str) -> Callable[[], bool]:
+    path = Path(folder) / f"step-{FAIL_AFTER_CHECKPOINT:08d}"
+    return path.exists
+
+
+def raympi_killed_worker(n: int, steps: int, path: str) -> dict[str, Any]:
+    import ray
+
+    folder = tempfile.mkdtemp(prefix="raympi-bench-")
+    injector = None
+    try:
+        _ray_init(address="local", num_cpus=4, include_dashboard=False)  # as raympi.fit starts Ray itself
+        raylets = _own_raylets()
+
+        def kill() -> None:
+            victim = sorted(_processes("ray::Worker", raylets), key=lambda p: p.pid)[1]
+            os.kill(victim.pid, signal.SIGKILL)
+
+        injector = _Injector(_checkpoint_exists(folder), kill)
+        result = _raympi_fit(folder, n, steps, path)
+        injector.join()
+        if injector.time is None:
+            raise RuntimeError(injector.error)
+        return _raympi_measure(result, injector.time, path)
+    finally:
+        if injector is not None:
+            injector.join()
+        ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _node_of(process: psutil.Process, nodes: list[Any]) -> Optional[Any]:
+    """The Cluster node whose raylet is an ancestor of ``process``."""
+    raylets = {pid: node for node in nodes for pid in _raylet_pids([node])}
+    try:
+        for parent in process.parents():
+            if parent.pid in raylets:
+                return raylets[parent.pid]
+    except psutil.Error:
+        pass
+    return None
+
+
+def raympi_removed_node(n: int, steps: int, path: str) -> dict[str, Any]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    folder = tempfile.mkdtemp(prefix="raympi-bench-")
+    cluster, injector = None, None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        for _ in range(WORKERS + 1):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        _ray_init(address=cluster.address)
+        removed: list[str] = []
+
+        def remove() -> None:
+            nodes = list(cluster.worker_nodes)
+            hosting = [_node_of(p, nodes) for p in sorted(_processes("ray::Worker", _raylet_pids(nodes)), key=lambda p: p.pid)]
+            hosting = [h for h in hosting if h is not None]
+            if not hosting:
+                raise RuntimeError("found no node hosting a raympi worker")
+            removed.append(hosting[-1].node_id)
+            cluster.remove_node(hosting[-1])
+
+        injector = _Injector(_checkpoint_exists(folder), remove)
+        result = _raympi_fit(folder, n, steps, path)
+        injector.join()
+        if injector.time is None:
+            raise RuntimeError(injector.error)
+        out = _raympi_measure(result, injector.time, path)
+        if out["kind"] != "WorkerLostError":
+            raise RuntimeError(f"expected a WorkerLostError restart, got {out['kind']}")
+        return out
+    finally:
+        if injector is not None:
+            injector.join()
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- Ray Train
+
+
+def _train_loop(config: dict[str, Any]) -> None:
+    """The Ray Train loop: DDP over gloo, a checkpoint every CHECKPOINT_EVERY steps, one log line per step."""
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            saved = torch.load(os.path.join(d, "state.pt"))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        start = saved["step"]
+    model = ray.train.torch.prepare_model(model)
+    x, y = make_data(config["n"])
+    spe = len(x) // BATCH
+    order, order_epoch = None, -1
+    log = open(config["log"], "a", buffering=1)
+    for step in range(start, config["steps"]):
+        epoch, i = divmod(step, spe)
+        if epoch != order_epoch:
+            order, order_epoch = torch.randperm(len(x), generator=torch.Generator().manual_seed(SEED + epoch)), epoch
+        idx = order[i * BATCH : (i + 1) * BATCH][rank::world]
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.write(f"{time.time()!r} {step + 1} {os.getpid()} {rank}\n")
+        if (step + 1) % CHECKPOINT_EVERY == 0:
+            with tempfile.TemporaryDirectory() as d:
+                saved = None
+                if rank == 0:
+                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, os.path.join(d, "state.pt"))
+                    saved = ray.train.Checkpoint.from_directory(d)
+                ray.train.report({"loss": loss.item(), "step": step + 1}, checkpoint=saved)
+    log.close()
+
+
+def _read_log(path: str) -> list[tuple[float, int, int, int]]:
+    rows = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 4:  # a line being written may be partial
+            rows.append((float(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])))
+    return rows
+
+
+def raytrain_killed_worker(n: int, steps: int) -> dict[str, Any]:
+    import ray
+    import ray.train
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    folder = tempfile.mkdtemp(prefix="raytrain-bench-")
+    log = os.path.join(folder, "steps.log")
+    injector = None
+    try:
+        # With the dashboard (ray.init's default): Ray Train's PlacementGroupCleaner watches the controller through
+        # the state API; without it, it was seen to remove the placement group under a run that had just finished.
+        _ray_init(address="local", num_cpus=4)
+        raylets = _own_raylets()
+        snapshot = Path(folder, "storage", "bench", "checkpoint_manager_snapshot.json")
+        registered = re.compile(rf'"step":\s*{FAIL_AFTER_CHECKPOINT}\b')
+
+        def ready() -> bool:  # the controller registered the checkpoint of FAIL_AFTER_CHECKPOINT (it restores from it)
+            try:
+                return bool(registered.search(snapshot.read_text()))
+            except OSError:
+                return False
+
+        def kill() -> None:
+            rank1 = {pid for _, _, pid, rank in _read_log(log) if rank == 1}
+            victims = [p for p in _processes("ray::RayTrainWorker", raylets) if p.pid in rank1]
+            if not victims:
+                raise RuntimeError("found no RayTrainWorker process of rank 1")
+            os.kill(victims[0].pid, signal.SIGKILL)
+
+        injector = _Injector(ready, kill)
+        trainer = TorchTrainer(
+            _train_loop, train_loop_config={"n": n, "steps": steps, "log": log},
+            scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False),
+            run_config=RunConfig(name="bench", storage_path=os.path.join(folder, "storage"), failure_config=FailureConfig(max_failures=1)),
+        )
+        error = None
+        try:
+            trainer.fit()
+        except Exception as exc:  # measured all the same when it came after the recovery, and noted
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        injector.join()
+        if injector.time is None:
+            raise RuntimeError(injector.error)
+        injected = injector.time
+        rows = _read_log(log)
+        before = [r for r in rows if r[0] <= injected]
+        old_pids = {r[2] for r in before}
+        after = [r for r in rows if r[0] > injected and r[2] not in old_pids]
+        if not after:
+            raise RuntimeError(f"Ray Train did not restart: no step from a new worker after the failure ({error or 'fit() returned'})")
+        first = after[0]
+        restored = first[1] - 1
+        return {
+            "recovery_s": first[0] - injected, "reported_recovery_s": None,
+            "steps_lost": max(r[1] for r in before) - restored, "restored_step": restored, "kind": "SIGKILL",
+            "world_before": WORKERS, "world_after": len({r[3] for r in after}), "restarts": 1, "path": "restart",
+            "note": f"recovered, then fit() raised {error}" if error else "",
+        }
+    finally:
+        if injector is not None:
+            injector.join()
+        ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _fmt(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs of each scenario (median/min/max over them)")
+    parser.add_argument("--quick", action="store_true", help="1 run, raympi killed worker (default path) only, small data")
+    args = parser.parse_args(argv)
+    runs = 1 if args.quick else max(1, args.runs)
+    n, raympi_steps, raytrain_steps = (2048, 200, 0) if args.quick else (8192, 600, 120)
+    # elastic: warm with min_workers=1, so the survivor goes on at once and the replacement joins when up
+    paths = ["warm", "elastic", "cold"] if has_warm_path() else ["cold"]
+    scenarios: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    for path in paths[:1] if args.quick else paths:
+        scenarios.append((f"raympi killed worker ({path})", lambda path=path: raympi_killed_worker(n, raympi_steps, path)))
+    raytrain_note = ""
+    if not args.quick:
+        for path in paths:
+            scenarios.append((f"raympi removed node ({path})", lambda path=path: raympi_removed_node(n, raympi_steps, path)))
+        try:
+            import ray.train.torch  # noqa: F401
+            from ray.train.v2._internal.constants import is_v2_enabled
+
+            raytrain_note = f"Ray Train {'v2' if is_v2_enabled() else 'v1'} API"
+            scenarios.append((RAYTRAIN_KILL, lambda: raytrain_killed_worker(n, raytrain_steps)))
+        except ImportError as exc:
+            raytrain_note = f"Ray Train not measured: {exc}"
+
+    import ray
+
+    print(f"raympi recovery benchmark: ray {ray.__version__}, torch {torch.__version__}, {psutil.cpu_count()} CPUs, "
+          f"{runs} run(s) per scenario; {raytrain_note or 'Ray Train not run (--quick)'}", flush=True)
+    print(f"model 784-256-10 MLP (+{PACE_S * 1000:g} ms sleep per forward), {WORKERS} workers, batch {BATCH}, "
+          f"checkpoint every {CHECKPOINT_EVERY} steps, failure injected after the checkpoint of step {FAIL_AFTER_CHECKPOINT}", flush=True)
+
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in scenarios}
+    errors: dict[str, list[str]] = {name: [] for name, _ in scenarios}
+    for run in range(runs):
+        for name, scenario in scenarios:
+            started = time.monotonic()
+            try:
+                out = scenario()
+            except Exception as exc:
+                errors[name].append(f"{type(exc).__name__}: {exc}")
+                print(f"  run {run + 1} {name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                traceback.print_exc(file=sys.stderr)
+                continue
+            out["run"] = run + 1
+            out["excluded"] = "excluded" in out.get("note", "")
+            results[name].append(out)
+            print(f"  run {run + 1} {name}: {out['recovery_s']:.2f} s to the first step after the failure, "
+                  f"{out['steps_lost']} step(s) lost (scenario took {time.monotonic() - started:.0f} s)"
+                  + (f" [{out['note']}]" if out.get("note") else ""), flush=True)
+
+    def median(name: str, key: str = "recovery_s") -> Optional[float]:
+        values = [r[key] for r in results.get(name, []) if r.get(key) is not None and not r["excluded"]]
+        return statistics.median(values) if values else None
+
+    raytrain = median(RAYTRAIN_KILL)
+    header = f"{'scenario':<30} | {'median s':>8} | {'min s':>6} | {'max s':>6} | {'runs':>4} | {'steps lost':>10} | {'own recovery_s':>14} | {'Ray Train/raympi':>16}"
+    print()
+    print(header)
+    print("-" * len(header))
+    summary = []
+    for name, _ in scenarios:
+        values = [r["recovery_s"] for r in results[name] if not r["excluded"]]
+        if not values:
+            print(f"{name:<30} | {'failed':>8} | {'-':>6} | {'-':>6} | {0:>4} | {'-':>10} | {'-':>14} | {'-':>16}")
+            continue
+        med = statistics.median(values)
+        ratio = raytrain / med if raytrain is not None and name != RAYTRAIN_KILL else None
+        lost = median(name, "steps_lost")
+        own = median(name, "reported_recovery_s")
+        print(f"{name:<30} | {med:>8.2f} | {min(values):>6.2f} | {max(values):>6.2f} | {len(values):>4} | "
+              f"{_fmt(lost, 0):>10} | {_fmt(own):>14} | {(_fmt(ratio, 1) + 'x') if ratio else '-':>16}")
+        summary.append({"scenario": name, "median_s": med, "min_s": min(values), "max_s": max(values), "runs": len(values),
+                        "steps_lost_median": lost, "own_recovery_s_median": own, "raytrain_over_raympi": ratio})
+    if raytrain is not None:
+        rows = [(r["scenario"], r["raytrain_over_raympi"]) for r in summary if r["raytrain_over_raympi"]]
+        print("goal (issue 5): recovery in a few seconds and >= 5x faster than Ray Train: "
+              + ", ".join(f"{name} {ratio:.1f}x {'met' if ratio >= 5 else 'NOT met'}" for name, ratio in rows))
+    if "warm" not in paths:
+        for what in ("killed worker", "removed node"):
+            print(f"{'raympi ' + what + ' (warm)':<30} | warm: not implemented (raympi has only the cold path)")
+    if raytrain is None and not args.quick:
+        print("Ray Train: no measurement (see the errors above)")
+    for name, _ in scenarios:
+        if (name.endswith("(warm)") or name.endswith("(elastic)")) and results[name]:
+            taken = [r["path"] for r in results[name]]
+            print(f"{name}: path taken warm {taken.count('warm')}/{len(taken)}, cold fallback {taken.count('cold')}/{len(taken)}")
+    for name, _ in scenarios:
+        excluded = [r["run"] for r in results[name] if r["excluded"]]
+        if excluded or errors[name]:
+            print(f"{name}: {len(errors[name])} run(s) failed, run(s) {excluded or '-'} excluded (more than the one injected failure)")
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    stem = "recovery_quick" if args.quick else "recovery"  # the tests' quick runs leave the full results alone
+    fields = ["scenario", "run", "recovery_s", "reported_recovery_s", "steps_lost", "restored_step", "kind", "path", "world_before",
+              "world_after", "restarts", "excluded", "note"]
+    with open(OUT / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for name, _ in scenarios:
+            for r in results[name]:
+                writer.writerow({"scenario": name, **r})
+    with open(OUT / f"{stem}_summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(summary[0]) if summary else ["scenario"])
+        writer.writeheader()
+        writer.writerows(summary)
+    print(f"\nwrote {OUT / (stem + '.csv')} and {OUT / (stem + '_summary.csv')}")
+    return 0 if all(any(not r["excluded"] for r in results[name]) for name, _ in scenarios) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
