@@ -217,8 +217,10 @@ def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[s
     notes = []
     if len(failures) > 1:
         notes.append(f"{len(failures)} failures, not 1 ({'; '.join(r['cause'][:80] for r in failures[1:])}): excluded from the stats")
-    if failures[0].get("path", "cold") != path:
-        notes.append(f"path {failures[0].get('path', 'cold')}, not {path}" + (f" ({failures[0]['warm_error'][:120]})" if failures[0].get("warm_error") else ""))
+    expected = "warm" if path == "elastic" else path  # elastic is the warm path with min_workers=1
+    if failures[0].get("path", "cold") != expected:
+        why = failures[0].get("warm_error") or failures[0].get("warm_skipped")
+        notes.append(f"path {failures[0].get('path', 'cold')}, not {expected}" + (f" ({why[:120]})" if why else ""))
     note = "; ".join(notes)
     record = failures[0]
     after = [m for m in result.metrics if m["time"] > injected and m["step"] > record["restored_step"]]
