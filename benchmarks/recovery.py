@@ -196,9 +196,9 @@ def has_warm_path() -> bool:
 def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
     """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the driver."""
     run_cls = _fit_run_class()
-    saved = run_cls.__dict__.get("_warm")
+    saved = getattr(run_cls, "_warm", None)
     if path == "cold" and saved is not None:
-        run_cls._warm = lambda self, *args, **kwargs: False
+        run_cls._warm = lambda self, *args, **kwargs: False  # shadows the inherited method for this run
     try:
         return raympi.fit(
             make_model(), make_data(n), workers=WORKERS, batch_size=BATCH, epochs=10**6, max_steps=steps,
@@ -206,8 +206,8 @@ def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
             optimizer=raympi.optim.adam(1e-3), min_workers=1 if path == "elastic" else WORKERS,
         )
     finally:
-        if saved is not None:
-            run_cls._warm = saved
+        if "_warm" in run_cls.__dict__ and path == "cold":
+            del run_cls._warm
 
 
 def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[str, Any]:
