@@ -10,13 +10,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _quick(script: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<script> --quick``; it must exit 0."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def test_comm_benchmark_quick():
+    """benchmarks/comm_bench.py --quick: formation and a 1 MB allreduce, MPI next to gloo."""
+    proc = _quick("comm_bench.py", 180)
+    assert re.search(r"^\s+2 formation\s+[0-9.]+ms\s+[0-9.]+ms", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\s+2 allreduce 1 MB\s+[0-9.]+ms\s+[0-9.]+ms\s+[0-9.]+GB/s", proc.stdout, re.M), proc.stdout
+
+
+def test_profile_step_quick():
+    """benchmarks/profile_step.py --quick: the phases of one step at 2 ranks."""
+    proc = _quick("profile_step.py", 180)
+    assert re.search(r"^cnn \(examples/mnist.py\)\s+108,618(\s+-?[0-9.]+){5}", proc.stdout, re.M), proc.stdout
+
+
 def test_recovery_benchmark_quick():
     """benchmarks/recovery.py --quick: one killed raympi worker, recovered, and a numeric row in the table."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "recovery.py"), "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    proc = _quick("recovery.py", 240)
     assert re.search(r"^scenario\s+\|\s+median s\s+\|\s+min s\s+\|\s+max s", proc.stdout, re.M), proc.stdout
     row = re.search(r"^raympi killed worker \((?:warm|cold)\)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|\s+1\s+\|", proc.stdout, re.M)
     assert row, proc.stdout
@@ -25,11 +42,7 @@ def test_recovery_benchmark_quick():
 
 def test_compare_quick():
     """benchmarks/compare.py --quick: raympi, the mpiexec template and the floor run; the template ends with raympi's parameters."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    proc = _quick("compare.py", 300)
     assert re.search(r"^model\s+\|\s+W\s+\|\s+contender\s+\|\s+min\s+\|\s+median\s+\|\s+max\s+\|\s+ratio\s+\|", proc.stdout, re.M), proc.stdout
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+raympi\s+\|\s+[0-9.]+\s+\|.*\|\s+ref\s*$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+mpiexec-template\s+\|\s+[0-9.]+\s+\|.*\|\s+PASS\b", proc.stdout, re.M), proc.stdout
