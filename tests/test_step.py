@@ -402,3 +402,24 @@ def test_benchmark_quick_runs():
         (m, o) for m in bench.MODELS for o in bench.OPTIMIZERS
     ]
     assert all(r["ratio"] > 0 and r["donated_ratio"] > 0 for r in rows)
+
+
+def test_first_step_does_not_import_dynamo():
+    """A step's gradient is plain autograd: torch._dynamo (1.5-3 s to import) stays out of every worker's start."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, torch.nn.functional as F\n"
+        "from raympi import optim\n"
+        "from raympi._state import TrainState\n"
+        "from raympi._step import make_train_step\n"
+        "m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))\n"
+        "step = make_train_step(m, F.cross_entropy, optim.sgd(0.1))\n"
+        "state, metrics = step(TrainState.create(m, optim.sgd(0.1)), (torch.randn(5, 2, 2), torch.randint(0, 3, (5,))))\n"
+        "assert int(state.step) == 1 and metrics['samples'] == 5\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "clean"
