@@ -74,7 +74,9 @@ class CheckpointStore:
         if not isinstance(state, dict):
             import ray
 
-            state = ray.get(state)
+            from raympi import _tree
+
+            state = _tree.from_arrays(ray.get(state))  # zero-copy views of the object store's copy
         path = self.save(state, manifest)
         if on_saved is not None:
             on_saved(path, int(manifest["step"]), state)
@@ -101,7 +103,7 @@ class CheckpointStore:
         """Write one checkpoint atomically; returns its folder."""
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        blob = buffer.getvalue()
+        blob = buffer.getbuffer()  # no copy
         manifest = {**manifest, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
         name = f"step-{int(manifest['step']):08d}"
         final = posixpath.join(self._path, name)

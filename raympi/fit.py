@@ -20,7 +20,7 @@ import ray
 import torch
 import torch.nn.functional as F
 
-from raympi import data, optim
+from raympi import _tree, data, optim
 from raympi._state import TrainState
 from raympi._step import make_train_step
 from raympi.checkpoint import CheckpointStore
@@ -238,7 +238,7 @@ class _Run(Recovery):
                 inflight.append(self._submit(next_step, count))
                 next_step += count
             chunk = inflight.popleft()
-            # The first step of a new group also warms up torch.func and MPI's connections: startup time.
+            # The first step of a new group also warms up autograd and MPI's connections: startup time.
             field = "startup_timeout_s" if chunk["first"] == self.start_step else "step_timeout_s"
             deadline = max(last_done, time.monotonic()) + getattr(cfg, field)
             try:
@@ -286,7 +286,8 @@ class _Run(Recovery):
                         and cluster_capacity(self.bundle) > self.group.world):
                     raise _Regroup()
         self.store.wait()
-        state = TrainState.from_dict(self.memory[1])
+        # The driver's copy may be read-only object-store memory: hand the user tensors of their own.
+        state = _tree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(self.memory[1]))
         self._write_reports()
         self.model.load_state_dict({**state.params, **state.buffers}, strict=False)
         return Result(state=state, model=self.model, metrics=self.history, checkpoint=self.checkpoint, restarts=self.restarts)

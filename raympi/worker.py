@@ -148,9 +148,10 @@ class Worker(comm.Member):
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain CPU tensors (what a checkpoint holds).
 
-        On CPU the tensors are the live ones; Ray serializes the return value before the next step runs.
+        The tensors go as numpy arrays (:func:`raympi._tree.to_arrays`: one copy into the object store).
+        On CPU they are the live ones; Ray serializes the return value before the next step runs.
         """
-        return _tree_to(self.state, torch.device("cpu")).to_dict()
+        return _tree.to_arrays(_tree_to(self.state, torch.device("cpu")).to_dict())
 
 
 def _tree_to(state: TrainState, device: torch.device) -> TrainState:
