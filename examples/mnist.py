@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> raympi.Result:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--subset", type=int, default=0, help="use only the first N training and N/5 test samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compression", choices=["bf16", "fp16"], default=None, help="gradients as 16-bit floats on the wire")
     args = parser.parse_args(argv)
 
     x_train, y_train = load(args.dataset, args.data_dir, train=True)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> raympi.Result:
         Net(), (x_train, y_train), workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,
         optimizer=raympi.optim.adam(raympi.optim.cosine_decay(args.lr, args.epochs * (len(x_train) // args.batch_size))), eval_dataset=(x_test, y_test), seed=args.seed,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        address=args.address,
+        address=args.address, compression=args.compression,
     )
     with torch.no_grad():
         accuracy = (result.model.eval()(x_test).argmax(1) == y_test).float().mean().item()

@@ -28,6 +28,7 @@ import math
 import socket
 import threading
 import time
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -46,6 +47,8 @@ INPLACE_MIN_BYTES = 256 * 2**10
 # MPI has no 16-bit float types: such tensors are summed in float32 (exact
 # accumulation, one rounding back) at twice the bytes on the wire.
 _REDUCE_AS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+# Optional compression: float32 gradients travel as 16-bit floats and are summed by a user-defined op.
+_WIRE = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
 
 
@@ -57,15 +60,19 @@ class Communicator:
         bucket_bytes: the most bytes one ``Allreduce`` call carries.
     """
 
-    def __init__(self, comm: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(self, comm: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression: str | None = None) -> None:
         if bucket_bytes < 8:
             raise ConfigError(f"bucket_bytes must be at least 8, got {bucket_bytes}")
+        if compression not in _WIRE:
+            raise ConfigError(f"compression must be one of {sorted(k for k in _WIRE if k)} or None, got {compression!r}")
         self.mpi = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self.bucket_bytes = bucket_bytes
+        self.compression = compression
         self.abort = threading.Event()  # set from another thread to abandon the collective in flight
         self._MPI = _mpi.require()
+        self._wire_op = self._MPI.Op.Create(_sum_16bit(_WIRE[compression]), commute=True) if compression else None
 
     def allreduce_(self, tensors: Any) -> Any:
         """Sum every tensor of ``tensors`` (a list, dict or any tree) over all ranks, in place.
@@ -79,11 +86,14 @@ class Communicator:
             ``tensors`` itself, now holding the sums.
         """
         packed: dict[torch.dtype, list[torch.Tensor]] = {}
+        compressed: list[torch.Tensor] = []
         for t in _tree.tensor_leaves(tensors):
             wire = _REDUCE_AS.get(t.dtype, t.dtype)
             if wire not in _REDUCIBLE:
                 raise TypeError(f"allreduce cannot sum tensors of dtype {t.dtype}")
-            if t.dtype == wire and t.is_contiguous() and not t.is_cuda and t.numel() * t.element_size() >= INPLACE_MIN_BYTES:
+            if self.compression and t.dtype == torch.float32:
+                compressed.append(t)
+            elif t.dtype == wire and t.is_contiguous() and not t.is_cuda and t.numel() * t.element_size() >= INPLACE_MIN_BYTES:
                 self._reduce_flat(t.detach().view(-1))
             else:
                 packed.setdefault(wire, []).append(t)
@@ -97,7 +107,33 @@ class Communicator:
                 n = t.numel()
                 t.detach().copy_(flat[offset : offset + n].view(t.shape))
                 offset += n
+        if compressed:
+            self._reduce_compressed(compressed)
         return tensors
+
+    def _reduce_compressed(self, group: list[torch.Tensor]) -> None:
+        """Sum float32 tensors as 16-bit floats on the wire (half the bytes), written back as float32.
+
+        Each rank's gradient is rounded to 16 bits once and every pairwise sum rounds again; the
+        optimizer then works in float32 on the result.
+        """
+        wire = _WIRE[self.compression]
+        flat = torch.empty(sum(t.numel() for t in group), dtype=wire)
+        offset = 0
+        for t in group:
+            flat[offset : offset + t.numel()].view(t.shape).copy_(t.detach())  # the cast is the copy
+            offset += t.numel()
+        host = _to_host(flat)
+        array = host.view(torch.int16).numpy()
+        step = max(1, self.bucket_bytes // 2)
+        for start in range(0, array.size, step):
+            part = array[start : start + step]
+            self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, [part, self._MPI.INT16_T], op=self._wire_op))
+        flat = _from_host(host, flat)
+        offset = 0
+        for t in group:
+            t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
 
     def _reduce_flat(self, flat: torch.Tensor) -> None:
         """Sum a flat CPU tensor over all ranks in place, one MPI call per bucket."""
@@ -165,6 +201,18 @@ class Communicator:
         if self.mpi is not None:
             self.mpi.Free()
             self.mpi = None
+        if self._wire_op is not None:
+            self._wire_op.Free()
+            self._wire_op = None
+
+
+def _sum_16bit(dtype: torch.dtype) -> Any:
+    """An MPI reduction function summing buffers of 16-bit floats of ``dtype`` (MPI has no such type)."""
+    def op(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        with warnings.catch_warnings():  # MPI may hand a read-only input buffer; it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            torch.frombuffer(inoutbuf, dtype=dtype).add_(torch.frombuffer(inbuf, dtype=dtype))
+    return op
 
 
 def _to_host(flat: torch.Tensor) -> torch.Tensor:
@@ -213,7 +261,7 @@ class Member:
         self._forming = merged
         return merged.Get_rank()
 
-    def mpi_finish(self, size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[int, int, str]:
+    def mpi_finish(self, size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression: str | None = None) -> tuple[int, int, str]:
         """Close formation with a collective agreement; returns (rank, size, host)."""
         MPI = _mpi.init()
         comm = self._forming or MPI.COMM_SELF.Dup()
@@ -222,17 +270,20 @@ class Member:
             raise FormationError(f"formed a group of {comm.Get_size()} ranks, expected {size}")
         if self.comm is not None and not self.comm.abort.is_set():
             self.comm.free()  # an abandoned one may still hold a collective with a dead peer: leave it
-        self.comm = Communicator(comm, bucket_bytes)
+        self.comm = Communicator(comm, bucket_bytes, compression)
         return self.comm.rank, self.comm.size, socket.gethostname()
 
 
-def form(actors: Sequence[Any], *, timeout_s: float = 60.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[tuple[int, int, str]]:
+def form(actors: Sequence[Any], *, timeout_s: float = 60.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+         compression: str | None = None) -> list[tuple[int, int, str]]:
     """Join Ray actors (instances of a :class:`Member` subclass) into one MPI communicator.
 
     Args:
         actors: the actor handles; ``actors[k]`` becomes rank ``k``.
         timeout_s: the deadline for the whole formation.
         bucket_bytes: bucket size of the resulting communicators' allreduce.
+        compression: ``"bf16"`` or ``"fp16"`` to send float32 tensors as 16-bit floats in
+            :meth:`Communicator.allreduce_`; ``None`` (default) sends them as they are.
 
     Returns:
         ``(rank, size, host)`` of every member, in rank order.
@@ -266,7 +317,7 @@ def form(actors: Sequence[Any], *, timeout_s: float = 60.0, bucket_bytes: int = 
             _wait(ray, actors, joins, deadline, timeout_s)
             merged = [left + right for left, right in pairs]
             groups = merged + ([groups[-1]] if len(groups) % 2 else [])
-        return _wait(ray, actors, {a: a.mpi_finish.remote(len(actors), bucket_bytes) for a in actors}, deadline, timeout_s)
+        return _wait(ray, actors, {a: a.mpi_finish.remote(len(actors), bucket_bytes, compression) for a in actors}, deadline, timeout_s)
     except BaseException:
         for a in actors:
             ray.kill(a, no_restart=True)

@@ -73,7 +73,8 @@ class WorkerGroup:
             self._spawn_args = (bundle, env, threads, worker_args, use_gpu)
             self.actors = [self._spawn(i, i) for i in range(world)]
             self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", "startup_timeout_s")
-            members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=cfg.bucket_bytes)
+            members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=cfg.bucket_bytes,
+                                 compression=cfg.compression)
             self.hosts = [host for _, _, host in members]
             self.state_ref = state if state is None else ray.put(state)
             shards = ray_dataset[0].split(world, equal=True) if ray_dataset else [None] * world
@@ -133,7 +134,8 @@ class WorkerGroup:
         self.actors = [self.actors[r] for r in keep] + [a for a, _, _ in ready]
         self.bundles = [self.bundles[r] for r in keep] + [b for _, b, _ in ready]
         self.world = len(self.actors)
-        members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=self.cfg.bucket_bytes)
+        members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=self.cfg.bucket_bytes,
+                             compression=self.cfg.compression)
         self.hosts = [host for _, _, host in members]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]

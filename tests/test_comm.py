@@ -29,6 +29,15 @@ def _peer_class(ray):
                 del self.comm._allreduce_buffer
             return out, calls
 
+        def reduce_compressed(self, tensors, compression, bucket_bytes):
+            plain = self.comm
+            self.comm = comm.Communicator(plain.mpi, bucket_bytes, compression)
+            try:
+                return self.comm.allreduce_(tensors)
+            finally:
+                self.comm._wire_op.Free()
+                self.comm = plain
+
         def broadcast(self, tree):
             return self.comm.broadcast(tree, root=0)
 
@@ -180,3 +189,32 @@ def test_large_tensors_are_reduced_where_they_lie(ray_session, pool):
     for out, calls in results:
         assert torch.equal(out[0], torch.full((big + 1,), 3.0)) and out[1].tolist() == [2.0, 2.0, 2.0]
         assert sorted(calls) == [3, big + 1]  # the big one alone (in place), the small one packed
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_allreduce_sums_float32_as_16bit(ray_session, pool, compression):
+    """float32 travels as 16-bit floats (summed by a user-defined MPI op), other dtypes as they are."""
+    peers = pool[:3]
+    comm.form(peers, timeout_s=60)
+    wire = {"bf16": torch.bfloat16, "fp16": torch.float16}[compression]
+    g = torch.Generator().manual_seed(0)
+    inputs = [{"w": torch.randn(3000, generator=g), "i": _inputs(r)["e"].clone(), "exact": torch.full((5,), float(r))}
+              for r in range(3)]
+    bucket_bytes = 1000  # several buckets of 500 16-bit values
+    results = ray_session.get([p.reduce_compressed.remote(inputs[r], compression, bucket_bytes) for r, p in enumerate(peers)])
+    exact = sum(x["w"].double() for x in inputs)
+    # Each rank's values rounded to 16 bits, then each pairwise sum rounded again, in the op's order.
+    rounded = ((inputs[0]["w"].to(wire) + inputs[1]["w"].to(wire)) + inputs[2]["w"].to(wire)).double()
+    for out in results:
+        assert out["w"].dtype == torch.float32 and out["exact"].tolist() == [3.0] * 5
+        assert torch.equal(out["i"], sum(x["i"] for x in inputs))
+        eps = torch.finfo(wire).eps
+        assert torch.allclose(out["w"].double(), exact, rtol=4 * eps, atol=4 * eps * exact.abs().max().item())
+        assert torch.allclose(out["w"].double(), rounded, rtol=2 * eps, atol=2 * eps * exact.abs().max().item())
+        assert not torch.equal(out["w"].double(), exact)  # it really went through 16 bits
+    assert all(torch.equal(results[0]["w"], out["w"]) for out in results)  # every rank holds the same sum
+
+
+def test_unknown_compression_is_a_clear_error(ray_session, pool):
+    with pytest.raises(Exception, match="compression must be one of"):
+        ray_session.get(pool[0].reduce_compressed.remote([torch.ones(2)], "int4", 1024))

@@ -14,6 +14,7 @@ from raympi.exceptions import ConfigError
     ({"min_workers": 5, "workers": 4}, "min_workers=5 is larger than workers=4"),
     ({"step_timeout_s": 0}, "step_timeout_s"),
     ({"mpi": {"netmod": "tcp"}}, "mpi.netmod"),
+    ({"compression": "int8"}, "compression"),
     ({"checkpoint_evry": 5}, "unknown option 'checkpoint_evry'"),
 ])
 def test_bad_options_name_the_field(options, words):

@@ -87,6 +87,17 @@ def test_same_parameters_for_any_world_size(runs):
     assert _max_diff(runs[1].state, runs[2].state) < 1e-4
 
 
+def test_bf16_compression_trains_close_to_float32(runs, fashion, tmp_path):
+    """compression='bf16': the gradients really travel rounded, and training follows the float32 run closely."""
+    result = _fit(fashion[0], tmp_path, "bf16", workers=2, compression="bf16")
+    a, b = result.state.params, runs[2].state.params
+    relative = (sum(((a[k] - b[k]) ** 2).sum() for k in a) / sum((b[k] ** 2).sum() for k in b)).sqrt().item()
+    assert 0 < relative < 0.15, relative  # measured 0.064 after these 24 momentum-SGD steps (fp16: 0.012)
+    losses = [r["loss"] for r in result.metrics]
+    assert abs(losses[-1] - runs[2].metrics[-1]["loss"]) < 0.05
+    assert result.restarts == []
+
+
 def test_reports_next_to_checkpoints(runs):
     folder = pathlib.Path(runs[2].checkpoint).parent
     lines = (folder / "metrics.jsonl").read_text().splitlines()
