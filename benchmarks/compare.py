@@ -26,6 +26,10 @@ times of its metrics records (step `warmup` to the last step).  "launch s" is th
 of the contender (raympi: the fit() call; Ray Train: trainer.fit(); the others: the subprocess launch)
 to the end of rank 0's first step; Ray's own start (ray.init) is not included.
 
+After the table, "raympi vs the targets" sets raympi's median against torchrun-DDP's and against the floor plus
+the raw communication: one MPI_Allreduce of a buffer as large as all the gradients, timed under mpiexec by the
+template's ranks right after their run (so it needs the mpiexec-template and floor contenders).
+
 Correctness: every contender but the floor saves its final parameters; each must agree with raympi's
 (or, without raympi, the first one that ran) to atol = rtol = 1e-4 (summation orders differ), else
 FAIL and a non-zero exit.
@@ -73,6 +77,7 @@ LR = 0.01
 SEED = 0
 ATOL = RTOL = 1e-4
 CHILD_TIMEOUT_S = 600
+RAW_REPS = 10
 
 MODELS = ("cnn", "mlp")
 CONTENDERS = ("raympi", "torchrun-ddp", "raytrain", "mpiexec-template", "floor")
@@ -185,6 +190,18 @@ def _child(mode: str, spec_path: str) -> None:
                 p.grad.div_(world)
 
         _run_loop(spec, comm.Get_rank(), world, model, model, sync, comm.Barrier)
+        # The communication floor: one MPI_Allreduce of a buffer as large as all the gradients.
+        flat = torch.zeros(sum(p.numel() for p in params)).numpy()
+        times = []
+        for _ in range(RAW_REPS + 1):
+            comm.Barrier()
+            start = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+            times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        if comm.Get_rank() == 0:
+            res = json.loads(Path(spec["result"]).read_text())
+            res["raw_allreduce_ms"] = 1000 * statistics.median(times[1:])
+            Path(spec["result"]).write_text(json.dumps(res))
     elif mode == "floor":
         model = _load_model(spec)
         _run_loop(spec, 0, spec["workers"], model, model, None, lambda: None)
@@ -221,7 +238,8 @@ def _run_subprocess(cmd: list[str], spec: dict[str, Any], timeout_s: float) -> d
     if proc.returncode != 0 or not Path(spec["result"]).exists():
         raise RuntimeError(f"exit {proc.returncode}: {output[-1500:]}")
     res = json.loads(Path(spec["result"]).read_text())
-    return {"ms_per_step": res["ms_per_step"], "launch_s": res["first_step_wall"] - launch, "params": spec["params"]}
+    return {"ms_per_step": res["ms_per_step"], "launch_s": res["first_step_wall"] - launch, "params": spec["params"],
+            "raw_allreduce_ms": res.get("raw_allreduce_ms")}
 
 
 def run_torchrun(spec: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -409,11 +427,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 "result": str(tmp / f"{tag}.result.json"), "params": str(tmp / f"{tag}.params.pt")}
                         Path(spec["path"]).write_text(json.dumps(spec))
                         row: dict[str, Any] = {"run": run, "model": model, "workers": w, "contender": name, "ms_per_step": None,
-                                               "launch_s": None, "max_param_diff": None, "params_match": "", "error": ""}
+                                               "launch_s": None, "raw_allreduce_ms": None, "max_param_diff": None, "params_match": "",
+                                               "error": ""}
                         began = time.time()
                         try:
                             res = RUNNERS[name](spec, w)
-                            row.update(ms_per_step=res["ms_per_step"], launch_s=res["launch_s"])
+                            row.update(ms_per_step=res["ms_per_step"], launch_s=res["launch_s"], raw_allreduce_ms=res.get("raw_allreduce_ms"))
                             if res["params"]:
                                 params[name] = torch.load(res["params"], weights_only=True)
                         except Exception as exc:  # recorded, reported, and the exit status says so
@@ -447,6 +466,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         writer.writerows(rows)
     summary = _summarize(rows, models, workers, contenders)
     _print_table(summary, args)
+    _print_targets(summary, rows, models, workers)
     _plot(summary, models, workers, contenders, OUT / "compare.png")
     print(f"\nwrote {OUT / 'compare.csv'} and {OUT / 'compare.png'}")
     if failed:
@@ -493,6 +513,25 @@ def _print_table(summary, args) -> None:
     if all(launches.values()):
         a, b = statistics.median(launches["raympi"]), statistics.median(launches["raytrain"])
         print(f"launch to first completed step (median over models and W, Ray start excluded): raympi {a:.2f} s, Ray Train {b:.2f} s ({b / a:.1f}x)")
+
+
+def _print_targets(summary, rows, models, workers) -> None:
+    """raympi against DDP and against the floor: single-process step + raw MPI allreduce of the gradients."""
+    med = {(s["model"], s["workers"], s["contender"]): s["median"] for s in summary}
+    print("\nraympi vs the targets (medians of this run)")
+    for m in models:
+        for w in workers:
+            mine = med.get((m, w, "raympi"))
+            if mine is None:
+                continue
+            parts = [f"{m} W={w}: raympi {mine:.2f} ms"]
+            if med.get((m, w, "torchrun-ddp")):
+                parts.append(f"{mine / med[(m, w, 'torchrun-ddp')]:.2f}x torchrun-DDP")
+            raw = [r["raw_allreduce_ms"] for r in rows if r["model"] == m and r["workers"] == w and r["raw_allreduce_ms"]]
+            if raw and med.get((m, w, "floor")):
+                floor = med[(m, w, "floor")] + statistics.median(raw)
+                parts.append(f"{mine / floor:.2f}x (floor {med[(m, w, 'floor')]:.2f} + raw allreduce {statistics.median(raw):.2f} ms)")
+            print("  " + ", ".join(parts))
 
 
 def _plot(summary, models, workers, contenders, path: Path) -> None:

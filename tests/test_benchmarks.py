@@ -48,3 +48,19 @@ def test_compare_quick():
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+mpiexec-template\s+\|\s+[0-9.]+\s+\|.*\|\s+PASS\b", proc.stdout, re.M), proc.stdout
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+floor\s+\|\s+[0-9.]+\s+\|", proc.stdout, re.M), proc.stdout
     assert (ROOT / "benchmarks" / "out" / "compare.csv").exists() and (ROOT / "benchmarks" / "out" / "compare.png").exists()
+    assert re.search(r"^  cnn W=2: raympi [0-9.]+ ms, [0-9.]+x \(floor [0-9.]+ \+ raw allreduce [0-9.]+ ms\)", proc.stdout, re.M), proc.stdout
+
+
+def test_fit_overhead_quick():
+    """benchmarks/fit_overhead.py --quick: fit, fit with checkpoints and the driverless workers all step."""
+    proc = _quick("fit_overhead.py", 240)
+    for mode in ("workers only", "fit", r"fit \+ ckpt/20"):
+        assert re.search(rf"^cnn\s+\|\s+{mode}\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+", proc.stdout, re.M), proc.stdout
+
+
+def test_compression_quick():
+    """benchmarks/compression.py --quick: fp32, bf16 and fp16 on the wire over OFI/tcp, with their errors."""
+    proc = _quick("compression.py", 180)
+    errors = {m.group(1): float(m.group(3)) for m in re.finditer(r"^ofi\s+\|\s+(fp32|bf16|fp16)\s*\|\s+([0-9.]+)\s+\|\s+[0-9.]+x\s+\|\s+([0-9.e+-]+)", proc.stdout, re.M)}
+    assert set(errors) == {"fp32", "bf16", "fp16"}, proc.stdout
+    assert errors["fp32"] < 1e-6 < errors["fp16"] < errors["bf16"] < 1e-2, errors
