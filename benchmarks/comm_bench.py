@@ -5,6 +5,7 @@ two columns see the same machine load.
 
     python benchmarks/comm_bench.py               # N = 2, 4, 8; 1, 16, 64 MB
     python benchmarks/comm_bench.py --quick       # N = 2; 1 MB (a smoke run)
+    python benchmarks/comm_bench.py --buckets     # N = 2: the MLP's 23.3 MB of gradients per bucket_bytes
 """
 
 from __future__ import annotations
@@ -49,11 +50,38 @@ class Bench(comm.Member):
             times.append(time.perf_counter() - start)
         return times[1:]
 
+    def time_buckets(self, bucket_mib: list[float], reps: int) -> dict[float, list[float]]:
+        """allreduce_ of the MLP 784-2048-2048-10's gradient shapes, per bucket size."""
+        grads = [torch.ones(s) for s in ((2048, 784), (2048,), (2048, 2048), (2048,), (10, 2048), (10,))]
+        out: dict[float, list[float]] = {}
+        for _ in range(3):  # interleaved rounds
+            for mib in bucket_mib:
+                self.comm.bucket_bytes = int(mib * 2**20)
+                for _ in range(reps):
+                    self.comm.barrier()
+                    start = time.perf_counter()
+                    self.comm.allreduce_(grads)
+                    out.setdefault(mib, []).append(time.perf_counter() - start)
+        return out
+
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def bucket_sweep(reps: int) -> None:
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    actors = [Bench.remote() for _ in range(2)]
+    comm.form(actors, timeout_s=120)
+    sizes = [0.25, 1, 4, 16, 64]
+    per_rank = ray.get([a.time_buckets.remote(sizes, reps) for a in actors])
+    ray.shutdown()
+    print("\nbucket_bytes sweep: allreduce_ of 23.3 MB (the MLP's gradients), 2 ranks, median ms (max over ranks)")
+    for mib in sizes:
+        print(f"{mib:>8g} MiB {statistics.median(max(t) for t in zip(*(r[mib] for r in per_rank))) * 1e3:8.2f} ms")
 
 
 def main() -> None:
@@ -62,7 +90,10 @@ def main() -> None:
     parser.add_argument("--mb", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="N=2, 1 MB, 2 reps")
+    parser.add_argument("--buckets", action="store_true", help="only the bucket_bytes sweep, N=2")
     args = parser.parse_args()
+    if args.buckets:
+        return bucket_sweep(args.reps)
     if args.quick:
         args.sizes, args.mb, args.reps = [2], [1], 2
     ray.init(address="local", num_cpus=max(args.sizes), include_dashboard=False, logging_level="ERROR",
