@@ -20,15 +20,19 @@ class MPIConfig(BaseModel):
     """How the MPI library talks between ranks; the same on every rank of a group.
 
     ``netmod="auto"`` picks MPICH's OFI network module with its ``tcp`` provider
-    when the group spans hosts (UCX, MPICH's own default, was seen to hang on
-    ``Connect`` across hosts) and UCX when every rank shares one host (about 3x
-    faster there).  ``env`` adds any other ``MPIR_CVAR_*`` / ``FI_*`` / ``UCX_*``
-    variable.
+    when the group may span hosts (UCX, MPICH's own default, hung on ``Connect``
+    between hosts) and UCX when every rank is sure to share one host (about 3x
+    faster there).  "May span" counts the ranks' nodes and every live node that
+    could host a replacement later, because replacements inherit the group's
+    choice (see :func:`raympi.group.spans_hosts`).  An autoscaling cluster that
+    starts with one node should set ``netmod="ofi"``.  ``interface`` names the
+    NIC (``FI_TCP_IFACE`` of libfabric's tcp provider, ``UCX_NET_DEVICES`` for
+    UCX); ``env`` adds any other ``MPIR_CVAR_*`` / ``FI_*`` / ``UCX_*`` variable.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    netmod: Literal["auto", "ofi", "ucx"] = Field("auto", description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx on one host, ofi across hosts")
+    netmod: Literal["auto", "ofi", "ucx"] = Field("auto", description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx when the cluster is one host, ofi when ranks may span hosts")
     provider: Optional[str] = Field("tcp", description="libfabric provider with netmod='ofi' (FI_PROVIDER)")
     interface: Optional[str] = Field(None, description="network interface MPI should use, e.g. 'eth0' (FI_TCP_IFACE / UCX_NET_DEVICES)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the MPI library")

@@ -21,7 +21,7 @@ from raympi.config import FitConfig
 from raympi.exceptions import CapacityError, RaympiError, StepTimeoutError, TrainingError, WorkerLostError
 from raympi.worker import Worker
 
-__all__ = ["WorkerGroup", "cluster_capacity", "worker_bundle"]
+__all__ = ["WorkerGroup", "cluster_capacity", "spans_hosts", "worker_bundle"]
 
 
 def worker_bundle(cfg: FitConfig, use_gpu: bool) -> dict[str, float]:
@@ -40,6 +40,23 @@ def cluster_capacity(bundle: dict[str, float]) -> int:
             res = node.get("Resources", {})
             total += min((math.floor(res.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0), default=0)
     return total
+
+
+def spans_hosts(bundle: dict[str, float], placed: Sequence[str]) -> bool:
+    """Whether a group may span hosts: its placed nodes or any live node that could host one more worker.
+
+    Replacements started later (warm restart, growing back) inherit the group's MPI environment
+    and may land on another host than the original ranks, so the choice counts every live node
+    that could host a worker, not only where the ranks are now.
+    """
+    ips = set()
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        if node["NodeID"] in placed or all(res.get(k, 0) >= v for k, v in bundle.items() if v > 0):
+            ips.add(node.get("NodeManagerAddress"))
+    return len(ips) > 1
 
 
 class WorkerGroup:
@@ -61,8 +78,7 @@ class WorkerGroup:
             self.bundles = list(range(world))  # placement-group bundle of each rank
             node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
             self.nodes = [node_of_bundle[i] for i in range(world)]
-            ip_of = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
-            env = {**cfg.mpi.environment(multi_host=len({ip_of.get(n) for n in self.nodes}) > 1)}
+            env = {**cfg.mpi.environment(multi_host=spans_hosts(bundle, self.nodes))}
             threads = cfg.torch_threads or max(1, int(bundle.get("CPU", 1)))
             env["OMP_NUM_THREADS"] = str(threads)
             if not use_gpu:

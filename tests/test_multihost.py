@@ -80,7 +80,8 @@ def reference(hosts, tmp_path_factory):
     try:
         results = drive(hosts, [
             {"name": "one_host", "options": {**OPTIONS, "workers": 1, "checkpoint_dir": str(tmp / "one")}},
-            {"name": "three_hosts", "options": {**OPTIONS, **SPREAD, "checkpoint_dir": str(tmp / "three")}},
+            # every namespace host names its link eth0: FI_TCP_IFACE=eth0 on every rank
+            {"name": "three_hosts", "options": {**OPTIONS, **SPREAD, "checkpoint_dir": str(tmp / "three"), "mpi": {"interface": "eth0"}}},
         ], tmp)
         results["intruder"] = (intruder.wait(timeout=90), intruder.stdout.read())
     finally:
@@ -97,6 +98,7 @@ def test_cluster_is_three_hosts_with_token_auth(hosts, reference):
 def test_three_hosts_match_one_host(reference):
     one, three = reference["one_host"], reference["three_hosts"]
     assert sorted(reference["nodes"]) == ["10.213.0.10", "10.213.0.11", "10.213.0.12"]
+    assert reference["spans_hosts"]  # so netmod "auto" chose OFI/tcp for every rank and replacement
     assert three["restarts"] == [] and one["restarts"] == []
     assert {m["world_size"] for m in three["metrics"]} == {3}
     assert len(three["metrics"]) == len(one["metrics"]) == 2 * 2048 // 32
