@@ -278,3 +278,119 @@ class NetnsCluster:
         links = sh("ip", "-o", "link", "show", check=False).stdout
         found += [name for name in (self.bridge, *(f"rmp{self.tag}v{i}" for i in range(self.n))) if f" {name}:" in links or f" {name}@" in links]
         return found
+
+
+# ---- hosts reachable over SSH, for `ray up` ---------------------------------------------------
+SSH_USER = "raympici"
+
+
+@dataclass
+class SshHosts(NetnsCluster):
+    """Namespace hosts that behave like separate machines for the cluster launcher.
+
+    Each host runs ``sshd`` as process 1 of its own PID namespace and mount namespace, with its
+    own ``/tmp`` (Ray's session files, ``ray_current_cluster``): so ``ray stop``, which the
+    launcher runs on every host, sees and ends only that host's processes, and ending ``sshd``
+    ends everything on the host.  Homes are shared like an NFS home: user :data:`SSH_USER`,
+    home ``/home/raympici``.  NAT through the root namespace gives the hosts the same
+    package index as this machine (the user gets this machine's pip settings).
+    """
+
+    user: str = SSH_USER
+    sshd: list = field(default_factory=list)
+    nat_rule: list | None = None
+    forward_before: str | None = None
+
+    @property
+    def home(self) -> pathlib.Path:
+        return pathlib.Path(f"/home/{self.user}")
+
+    @property
+    def key(self) -> pathlib.Path:
+        return self.base / "laptop" / ".ssh" / "id_ed25519"
+
+    def create(self) -> "SshHosts":
+        if self.base is None:  # not under /tmp: each host mounts its own /tmp over it
+            self.base = pathlib.Path(f"/var/tmp/rn{self.tag}")
+        super().create()
+        if shutil.which("sshd") is None and not os.path.exists("/usr/sbin/sshd"):
+            raise RuntimeError("sshd is not installed (Debian: apt-get install openssh-server)")
+        self._user()
+        self._nat()
+        for host in self.hosts:
+            self.start_sshd(host.index)
+        return self
+
+    def _user(self) -> None:
+        if sh("id", self.user, check=False).returncode != 0:
+            sh("useradd", "--create-home", "--shell", "/bin/bash", self.user)
+        sh("usermod", "-p", "*", self.user)  # no password, but not locked: key login allowed
+        laptop = self.base / "laptop"  # the machine `ray up` runs on: its own HOME (key, Ray token)
+        (laptop / ".ssh").mkdir(parents=True, exist_ok=True)
+        (laptop / ".ray").mkdir(parents=True, exist_ok=True)
+        (laptop / ".ray" / "auth_token").write_text(self.token)
+        if not self.key.exists():
+            sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key))
+        ssh_dir = self.home / ".ssh"
+        ssh_dir.mkdir(parents=True, exist_ok=True)
+        (ssh_dir / "authorized_keys").write_text(self.key.with_suffix(".pub").read_text())
+        pip_conf = pathlib.Path.home() / ".config" / "pip" / "pip.conf"
+        if pip_conf.exists():  # this machine's package sources (local wheels, PyPI mirror)
+            (self.home / ".config" / "pip").mkdir(parents=True, exist_ok=True)
+            shutil.copy(pip_conf, self.home / ".config" / "pip" / "pip.conf")
+        sh("chown", "-R", f"{self.user}:{self.user}", str(self.home))
+        os.chmod(ssh_dir, 0o700)
+
+    def _nat(self) -> None:
+        self.forward_before = pathlib.Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+        pathlib.Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+        self.nat_rule = ["POSTROUTING", "-s", f"{self.subnet}.0/24", "!", "-o", self.bridge, "-j", "MASQUERADE"]
+        if shutil.which("iptables"):
+            sh("iptables", "-t", "nat", "-A", *self.nat_rule)
+        else:
+            self.nat_rule = None
+
+    def start_sshd(self, i: int) -> None:
+        host = self.hosts[i]
+        tmp = host.temp_dir / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        os.chmod(tmp, 0o1777)
+        conf = host.temp_dir / "sshd_config"
+        conf.write_text(
+            f"ListenAddress {host.ip}\nPidFile none\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            f"PubkeyAuthentication yes\nUsePAM yes\nAllowUsers {self.user}\nMaxStartups 50\nMaxSessions 50\n"
+            "Subsystem sftp /usr/lib/openssh/sftp-server\n"
+        )
+        pathlib.Path("/run/sshd").mkdir(exist_ok=True)
+        script = f"mount --bind {tmp} /tmp && exec /usr/sbin/sshd -D -e -f {conf}"
+        log = open(host.temp_dir / "sshd.log", "w")
+        proc = subprocess.Popen(host.exec("unshare", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
+                                          "--mount-proc", "sh", "-c", script), stdout=log, stderr=log)
+        self.sshd.append(proc)
+
+    def ssh(self, i: int, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        return sh("ssh", "-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                  "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", f"{self.user}@{self.hosts[i].ip}", command,
+                  timeout=timeout, check=False)
+
+    def wait_ssh(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        for i in range(self.n):
+            while self.ssh(i, "true").returncode != 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"sshd on {self.hosts[i].ns} not reachable: {self.ssh(i, 'true').stderr}")
+                time.sleep(0.3)
+
+    def teardown(self) -> None:
+        super().teardown()  # ends sshd, the process 1 of each host, so every process there with it
+        for proc in self.sshd:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if self.nat_rule:
+            sh("iptables", "-t", "nat", "-D", *self.nat_rule, check=False)
+            self.nat_rule = None
+        if self.forward_before is not None:
+            pathlib.Path("/proc/sys/net/ipv4/ip_forward").write_text(self.forward_before)
+            self.forward_before = None
