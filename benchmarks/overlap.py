@@ -47,7 +47,7 @@ class Rank(comm.Member):
                         for _ in range(6):
                             b.t() @ a
                             request.Test()  # give MPI a chance to progress between pieces of work
-                        self.comm._wait(request)
+                        self.comm._wait(request, grad)
                     else:
                         if mode != "allreduce only":
                             for _ in range(6):

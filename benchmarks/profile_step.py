@@ -4,7 +4,7 @@ Two real worker ranks (Ray actors, one MPI communicator), one torch thread each,
 ``raympi.fit`` runs (``make_train_step(..., grad_sync=comm.allreduce_, donate=True)``), SGD,
 32 samples per rank.  Phases, each the median over the timed steps on rank 0:
 
-    forward+backward  torch.func.grad_and_value (timed alone, same batch)
+    forward+backward  torch.autograd.grad through torch.func.functional_call (timed alone, same batch)
     allreduce         grad_sync: the MPI sum of the gradient tree and the metrics vector
     raw allreduce     one MPI_Allreduce of a buffer as large as all gradients (the floor)
     optimizer+rest    the whole step minus the two above (update, metrics, dropout seeding)
@@ -62,7 +62,10 @@ class Profiler(comm.Member):
         state = raympi._tree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
         step_times, fb_times, raw_times = [], [], []
-        grad_fn = torch.func.grad_and_value(lambda p: F.cross_entropy(torch.func.functional_call(model, (p, state.buffers), (x,)), y))
+        def grad_fn(params):  # the step's gradient: autograd.grad on detached leaves, as raympi._step does
+            leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+            loss = F.cross_entropy(torch.func.functional_call(model, (leaves, state.buffers), (x,)), y)
+            return torch.autograd.grad(loss, list(leaves.values()))
         flat = torch.zeros(sum(p.numel() for p in state.params.values()))
         for i in range(steps + 3):
             self.comm.barrier()
