@@ -132,14 +132,18 @@ class Recovery:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.restart_timeout_s
         last_error: Exception | None = None
+        cap = cfg.workers
         while True:
-            world = min(cfg.workers, cluster_capacity(self.bundle))
+            world = min(cap, cluster_capacity(self.bundle))
             remaining = deadline - time.monotonic()
             if world >= cfg.min_workers:
                 try:
                     return WorkerGroup(cfg, world, self.worker_args, state, self.use_gpu, self.ray_dataset, place_timeout_s=min(5.0, max(1.0, remaining)))
                 except (CapacityError, WorkerLostError, FormationError) as exc:  # a node went away meanwhile: count again
                     last_error = exc
+                    # Ray may still count a cut-off node as alive: ask for one worker fewer next time
+                    # (a later checkpoint grows the group back once the capacity is real).
+                    cap = max(cfg.min_workers, world - 1)
             if remaining <= 0:
                 why = (f"the cluster can host {world} worker(s) of {self.bundle}, fewer than min_workers={cfg.min_workers}"
                        if world < cfg.min_workers else f"re-forming {world} worker(s) kept failing (last: {last_error})")
