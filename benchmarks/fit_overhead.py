@@ -11,7 +11,7 @@ Steady ms/step: fit's from the driver-observed times of its metrics records, fro
 past the warm-up to the last step; workers-only from the wall time of its single timed call.
 Also reported: "launch s", the ``fit()`` call to the end of the first step (Ray already running).
 
-    python benchmarks/fit_overhead.py              # cnn and mlp, 3 runs, 70 steps (10 warm-up)
+    python benchmarks/fit_overhead.py              # cnn and mlp, 3 runs, 200 steps (20 warm-up)
     python benchmarks/fit_overhead.py --quick      # cnn, 1 run, 25 steps
 """
 
@@ -89,8 +89,8 @@ def run_fit(name: str, steps: int, warmup: int, tmp: str, checkpoint_every: int)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--steps", type=int, default=70)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--models", default="cnn,mlp")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()

@@ -4,11 +4,14 @@ Two real worker ranks (Ray actors, one MPI communicator), one torch thread each,
 ``raympi.fit`` runs (``make_train_step(..., grad_sync=comm.allreduce_, donate=True)``), SGD,
 32 samples per rank.  Phases, each the median over the timed steps on rank 0:
 
-    forward+backward  torch.autograd.grad through torch.func.functional_call (timed alone, same batch)
+    forward           torch.func.functional_call and the loss, building the autograd graph (timed alone)
+    backward          torch.autograd.grad through it (forward+backward timed alone, minus forward)
     allreduce         grad_sync: the MPI sum of the gradient tree and the metrics vector
     raw allreduce     one MPI_Allreduce of a buffer as large as all gradients (the floor)
-    optimizer+rest    the whole step minus the two above (update, metrics, dropout seeding)
+    optimizer+rest    the whole step minus forward, backward and allreduce (update, metrics, dropout seeding)
     step              the whole train_step
+
+The driver's share (fit against the same workers with no driver in the loop) is benchmarks/fit_overhead.py's.
 
     python benchmarks/profile_step.py            # CNN of examples/mnist.py and the 5.8M MLP
     python benchmarks/profile_step.py --quick
@@ -61,10 +64,13 @@ class Profiler(comm.Member):
         state = TrainState.create(model, opt)
         state = raympi._tree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
-        step_times, fb_times, raw_times = [], [], []
-        def grad_fn(params):  # the step's gradient: autograd.grad on detached leaves, as raympi._step does
+        step_times, fb_times, raw_times, fwd_times = [], [], [], []
+        def forward(params):  # the step's forward, building the autograd graph as the step does
             leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-            loss = F.cross_entropy(torch.func.functional_call(model, (leaves, state.buffers), (x,)), y)
+            return F.cross_entropy(torch.func.functional_call(model, (leaves, state.buffers), (x,)), y), leaves
+
+        def grad_fn(params):  # the step's gradient: autograd.grad on detached leaves, as raympi._step does
+            loss, leaves = forward(params)
             return torch.autograd.grad(loss, list(leaves.values()))
         flat = torch.zeros(sum(p.numel() for p in state.params.values()))
         for i in range(steps + 3):
@@ -75,12 +81,15 @@ class Profiler(comm.Member):
             start = time.perf_counter()
             grad_fn(state.params)
             fb_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            forward(state.params)
+            fwd_times.append(time.perf_counter() - start)
             self.comm.barrier()
             start = time.perf_counter()
             self.comm._reduce_flat(flat)
             raw_times.append(time.perf_counter() - start)
         med = lambda xs: statistics.median(xs[3:]) * 1e3  # noqa: E731  first 3 are warm-up
-        return {"step": med(step_times), "fwd_bwd": med(fb_times), "allreduce": med(sync_times), "raw": med(raw_times),
+        return {"step": med(step_times), "fwd_bwd": med(fb_times), "fwd": med(fwd_times), "allreduce": med(sync_times), "raw": med(raw_times),
                 "params": flat.numel()}
 
 
@@ -95,11 +104,13 @@ def main() -> None:
                                        "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}})
     actors = [Profiler.remote() for _ in range(2)]
     comm.form(actors, timeout_s=60)
-    print(f"\n{'model':<24} {'params':>9} {'step':>8} {'fwd+bwd':>8} {'allreduce':>10} {'raw MPI':>8} {'optim+rest':>10}  (ms, rank 0, 2 ranks)")
+    print(f"\n{'model':<24} {'params':>9} {'step':>8} {'forward':>8} {'backward':>8} {'allreduce':>10} {'raw MPI':>8} "
+          f"{'optim+rest':>10}  (ms, rank 0, 2 ranks)")
     for name, make in list(models().items())[: 1 if args.quick else None]:
         r = ray.get([a.profile.remote(make, steps, 32) for a in actors])[0]
         rest = r["step"] - r["fwd_bwd"] - r["allreduce"]
-        print(f"{name:<24} {r['params']:>9,} {r['step']:8.2f} {r['fwd_bwd']:8.2f} {r['allreduce']:10.2f} {r['raw']:8.2f} {rest:10.2f}")
+        print(f"{name:<24} {r['params']:>9,} {r['step']:8.2f} {r['fwd']:8.2f} {r['fwd_bwd'] - r['fwd']:8.2f} {r['allreduce']:10.2f} "
+              f"{r['raw']:8.2f} {rest:10.2f}")
     ray.shutdown()
 
 
