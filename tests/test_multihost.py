@@ -124,15 +124,19 @@ def _recovered(result: dict, fired: dict, reference: dict) -> dict:
     return record
 
 
-def test_cut_link_detected_within_step_deadline_and_training_finishes(hosts, reference, tmp_path):
+def _train_through(hosts, reference, tmp_path, name: str, victim: int, failure) -> dict:
+    """Train on the three hosts, inflict ``failure(victim)`` after the checkpoint of step 20, repair; the record."""
     folder = tmp_path / "ck"
-    victim = 2
-    fired = when_checkpoint(folder, 20, lambda: hosts.cut(victim))
+    fired = when_checkpoint(folder, 20, lambda: failure(victim))
     try:
-        result = drive(hosts, [{"name": "cut", "options": {**OPTIONS, **SPREAD, "checkpoint_dir": str(folder)}}], tmp_path)["cut"]
+        result = drive(hosts, [{"name": name, "options": {**OPTIONS, **SPREAD, "checkpoint_dir": str(folder)}}], tmp_path)[name]
     finally:
         hosts.repair(victim)
-    record = _recovered(result, fired, reference)
+    return _recovered(result, fired, reference)
+
+
+def test_cut_link_detected_within_step_deadline_and_training_finishes(hosts, reference, tmp_path):
+    record = _train_through(hosts, reference, tmp_path, "cut", 2, hosts.cut)
     assert record["kind"] == "StepTimeoutError", record
     assert "step_timeout_s=4" in record["cause"] and len(record["ranks"]) == 1, record
     # noticed within the step deadline (plus the 2 s ping that finds the silent rank and a margin)
@@ -140,14 +144,7 @@ def test_cut_link_detected_within_step_deadline_and_training_finishes(hosts, ref
 
 
 def test_node_loss_recovered(hosts, reference, tmp_path):
-    folder = tmp_path / "ck"
-    victim = 1
-    fired = when_checkpoint(folder, 20, lambda: hosts.kill_host(victim))
-    try:
-        result = drive(hosts, [{"name": "lost", "options": {**OPTIONS, **SPREAD, "checkpoint_dir": str(folder)}}], tmp_path)["lost"]
-    finally:
-        hosts.repair(victim)
-    record = _recovered(result, fired, reference)
+    record = _train_through(hosts, reference, tmp_path, "lost", 1, hosts.kill_host)
     assert record["kind"] in ("WorkerLostError", "StepTimeoutError"), record
     assert record["detect_s"] < 15, record
 
