@@ -61,6 +61,7 @@ def launcher(hosts: netns.SshHosts, *args: str, timeout: float) -> netns.subproc
     return result
 
 
+@pytest.mark.timeout(CYCLE_TIMEOUT_S)  # a fresh cycle installs Ray, torch and MPICH on the hosts: about 3 min here
 def test_ray_up_exec_down_leaves_nothing(ssh_hosts, tmp_path):
     start = time.monotonic()
     config = yaml.safe_load((netns.ROOT / "cluster-local.yaml").read_text())
