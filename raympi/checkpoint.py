@@ -16,6 +16,7 @@ import io
 import json
 import os
 import posixpath
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -46,7 +47,7 @@ class CheckpointStore:
         self.keep = keep
         self.fs = fsspec.filesystem("file") if _is_local(root) else fsspec.core.url_to_fs(root)[0]
         self._path = self.root if _is_local(root) else self.fs._strip_protocol(root)
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raympi-checkpoint")
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority)
         self._pending: list[concurrent.futures.Future] = []
         try:
             self.fs.makedirs(self._path, exist_ok=True)
@@ -163,6 +164,14 @@ def _read(fs: Any, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if hashlib.sha256(blob).hexdigest() != manifest.get("sha256"):
         raise ValueError(f"checksum mismatch ({len(blob)} bytes, manifest says {manifest.get('bytes')})")
     return manifest, torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def _background_priority() -> None:
+    """Run the writer thread at the lowest CPU priority: on a node shared with workers it must not slow their steps."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: per thread
+    except (AttributeError, OSError):
+        pass
 
 
 def _fsync_dir(path: str) -> None:
