@@ -60,9 +60,13 @@ _REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int1
 class Communicator:
     """Collectives on torch tensors over one MPI intracommunicator.
 
+    Building one is collective (every rank of ``comm`` must do it): the ranks tell each other their
+    hosts, to know whether more ranks than CPUs share this one.
+
     Args:
         comm: an ``mpi4py.MPI.Intracomm`` this object now owns.
         bucket_bytes: the most bytes one ``Allreduce`` call carries.
+        compression: ``"bf16"`` / ``"fp16"`` to send float32 tensors as 16-bit floats, or ``None``.
     """
 
     def __init__(self, comm: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression: str | None = None) -> None:
@@ -88,7 +92,8 @@ class Communicator:
         A large contiguous CPU tensor of a dtype MPI can sum (at least ``INPLACE_MIN_BYTES``) is
         reduced where it lies, no copy.  The others are packed by dtype into one flat buffer and
         copied back after.  Either way each ``bucket_bytes`` slice is one ``MPI_Allreduce``, and
-        the tensors keep their shapes and dtypes.
+        the tensors keep their shapes and dtypes.  With ``compression``, float32 tensors are packed
+        as 16-bit floats instead (:meth:`_reduce_compressed`).
 
         Returns:
             ``tensors`` itself, now holding the sums.
