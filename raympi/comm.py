@@ -93,64 +93,50 @@ class Communicator:
         reduced where it lies, no copy.  The others are packed by dtype into one flat buffer and
         copied back after.  Either way each ``bucket_bytes`` slice is one ``MPI_Allreduce``, and
         the tensors keep their shapes and dtypes.  With ``compression``, float32 tensors are packed
-        as 16-bit floats instead (:meth:`_reduce_compressed`).
+        into 16-bit float buffers instead, summed by a user-defined MPI op, and written back as float32.
 
         Returns:
             ``tensors`` itself, now holding the sums.
         """
         packed: dict[torch.dtype, list[torch.Tensor]] = {}
-        compressed: list[torch.Tensor] = []
         for t in _tree.tensor_leaves(tensors):
             wire = _REDUCE_AS.get(t.dtype, t.dtype)
             if wire not in _REDUCIBLE:
                 raise TypeError(f"allreduce cannot sum tensors of dtype {t.dtype}")
             if self.compression and t.dtype == torch.float32:
-                compressed.append(t)
-            elif t.dtype == wire and t.is_contiguous() and not t.is_cuda and t.numel() * t.element_size() >= INPLACE_MIN_BYTES:
+                wire = _WIRE[self.compression]
+            if t.dtype == wire and t.is_contiguous() and not t.is_cuda and t.numel() * t.element_size() >= INPLACE_MIN_BYTES:
                 self._reduce_flat(t.detach().view(-1))
             else:
                 packed.setdefault(wire, []).append(t)
         for wire, group in packed.items():
-            flat = torch.cat([t.detach().reshape(-1).to(wire) for t in group])
+            flat = torch.empty(sum(t.numel() for t in group), dtype=wire, device=group[0].device)
+            offset = 0
+            for t in group:  # one copy in, casting to the wire dtype on the way
+                flat[offset : offset + t.numel()].view(t.shape).copy_(t.detach())
+                offset += t.numel()
             host = _to_host(flat)
             self._reduce_flat(host)
             flat = _from_host(host, flat)
             offset = 0
             for t in group:
-                n = t.numel()
-                t.detach().copy_(flat[offset : offset + n].view(t.shape))
-                offset += n
-        if compressed:
-            self._reduce_compressed(compressed)
+                t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
         return tensors
 
-    def _reduce_compressed(self, group: list[torch.Tensor]) -> None:
-        """Sum float32 tensors as 16-bit floats on the wire (half the bytes), written back as float32.
-
-        Each rank's gradient is rounded to 16 bits once and every pairwise sum rounds again; the
-        optimizer then works in float32 on the result.
-        """
-        wire = _WIRE[self.compression]
-        flat = torch.empty(sum(t.numel() for t in group), dtype=wire)
-        offset = 0
-        for t in group:
-            flat[offset : offset + t.numel()].view(t.shape).copy_(t.detach())  # the cast is the copy
-            offset += t.numel()
-        host = _to_host(flat)
-        array = host.view(torch.int16).numpy()
-        step = max(1, self.bucket_bytes // 2)
-        for start in range(0, array.size, step):
-            part = array[start : start + step]
-            self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, [part, self._MPI.INT16_T], op=self._wire_op), part)
-        flat = _from_host(host, flat)
-        offset = 0
-        for t in group:
-            t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
-
     def _reduce_flat(self, flat: torch.Tensor) -> None:
-        """Sum a flat CPU tensor over all ranks in place, one MPI call per bucket."""
+        """Sum a flat CPU tensor over all ranks in place, one MPI call per bucket.
+
+        A 16-bit float tensor (only under ``compression``) travels as 16-bit integers and is summed by
+        the user-defined op (each pairwise sum rounds to 16 bits; the caller writes it back as float32).
+        """
         step = max(1, self.bucket_bytes // flat.element_size())
+        if flat.dtype in (torch.bfloat16, torch.float16):
+            array = flat.view(torch.int16).numpy()
+            for start in range(0, array.size, step):
+                part = array[start : start + step]
+                self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, [part, self._MPI.INT16_T], op=self._wire_op), part)
+            return
         array = flat.numpy()
         for start in range(0, array.size, step):
             self._allreduce_buffer(array[start : start + step])

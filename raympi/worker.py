@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -34,11 +33,8 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _as_tensor(x: Any) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x
-    with warnings.catch_warnings():  # the object store's arrays are read-only; we only gather from them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.asarray(x))
+    # The object store's arrays are read-only (zero-copy); we only gather from them.
+    return x if isinstance(x, torch.Tensor) else _tree.from_arrays(np.asarray(x))
 
 
 class Worker(comm.Member):
