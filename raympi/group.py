@@ -32,14 +32,17 @@ def worker_bundle(cfg: FitConfig, use_gpu: bool) -> dict[str, float]:
     return bundle
 
 
+def _room(node: dict[str, Any], bundle: dict[str, float]) -> int:
+    """How many bundles of ``bundle`` a live node's total resources hold (0 for a dead node)."""
+    if not node.get("Alive"):
+        return 0
+    res = node.get("Resources", {})
+    return min((math.floor(res.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0), default=0)
+
+
 def cluster_capacity(bundle: dict[str, float]) -> int:
     """How many bundles of ``bundle`` the live nodes could host, counting their total resources."""
-    total = 0
-    for node in ray.nodes():
-        if node.get("Alive"):
-            res = node.get("Resources", {})
-            total += min((math.floor(res.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0), default=0)
-    return total
+    return sum(_room(node, bundle) for node in ray.nodes())
 
 
 def spans_hosts(bundle: dict[str, float], placed: Sequence[str]) -> bool:
@@ -49,13 +52,8 @@ def spans_hosts(bundle: dict[str, float], placed: Sequence[str]) -> bool:
     and may land on another host than the original ranks, so the choice counts every live node
     that could host a worker, not only where the ranks are now.
     """
-    ips = set()
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        res = node.get("Resources", {})
-        if node["NodeID"] in placed or all(res.get(k, 0) >= v for k, v in bundle.items() if v > 0):
-            ips.add(node.get("NodeManagerAddress"))
+    ips = {node.get("NodeManagerAddress") for node in ray.nodes()
+           if node.get("Alive") and (node["NodeID"] in placed or _room(node, bundle) >= 1)}
     return len(ips) > 1
 
 
