@@ -349,7 +349,7 @@ def _mnist_module():
 
 def _prepare(tmp: Path, models: list[str], workers: list[int], steps: int, warmup: int) -> dict[str, Any]:
     """Initial weights per model and one dataset per W, saved for every contender; checks of the restated helpers."""
-    from raympi import data as rdata
+    from raympi.driver import data as rdata
 
     files: dict[str, Any] = {"init": {}, "data": {}}
     for name in models:
@@ -374,7 +374,7 @@ def _prepare(tmp: Path, models: list[str], workers: list[int], steps: int, warmu
             b = PER_WORKER * w
             theirs = rdata.rank_slices(rdata.epoch_order(SEED, epoch, n)[i * b : (i + 1) * b], w)
             if any(not torch.equal(local_indices(step, n, w, r), theirs[r]) for r in range(w)):
-                raise SystemExit("compare.py: the restated data order differs from raympi.data's")
+                raise SystemExit("compare.py: the restated data order differs from raympi.driver.data's")
     return files
 
 

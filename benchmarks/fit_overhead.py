@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import PER_WORKER, LR, SEED, _mnist_module, build_model  # noqa: E402
 
 import raympi  # noqa: E402
-from raympi import data  # noqa: E402
-from raympi.config import parse_config  # noqa: E402
-from raympi.group import WorkerGroup  # noqa: E402
+from raympi.driver import data  # noqa: E402
+from raympi.driver.config import parse_config  # noqa: E402
+from raympi.driver.group import WorkerGroup  # noqa: E402
 
 WORLD = 2
 

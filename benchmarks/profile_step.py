@@ -32,8 +32,8 @@ from torch import nn
 
 import raympi
 from raympi import comm
-from raympi._state import TrainState
-from raympi._step import make_train_step
+from raympi.core.state import TrainState
+from raympi.core.step import make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,14 +62,14 @@ class Profiler(comm.Member):
 
         step = make_train_step(model, F.cross_entropy, opt, grad_sync=timed_sync, rank=self.comm.rank, donate=True)
         state = TrainState.create(model, opt)
-        state = raympi._tree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+        state = raympi.core.pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
         step_times, fb_times, raw_times, fwd_times = [], [], [], []
         def forward(params):  # the step's forward, building the autograd graph as the step does
             leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
             return F.cross_entropy(torch.func.functional_call(model, (leaves, state.buffers), (x,)), y), leaves
 
-        def grad_fn(params):  # the step's gradient: autograd.grad on detached leaves, as raympi._step does
+        def grad_fn(params):  # the step's gradient: autograd.grad on detached leaves, as raympi.core.step does
             loss, leaves = forward(params)
             return torch.autograd.grad(loss, list(leaves.values()))
         flat = torch.zeros(sum(p.numel() for p in state.params.values()))

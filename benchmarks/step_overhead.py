@@ -34,9 +34,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raympi import optim  # noqa: E402
-from raympi._state import TrainState  # noqa: E402
-from raympi._step import make_train_step  # noqa: E402
+from raympi.core import optim  # noqa: E402
+from raympi.core.state import TrainState  # noqa: E402
+from raympi.core.step import make_train_step  # noqa: E402
 
 
 def mnist_cnn() -> nn.Module:

@@ -1,11 +1,17 @@
-"""raympi: functional data-parallel PyTorch training on Ray actors joined by MPI."""
+"""raympi: functional data-parallel PyTorch training on Ray actors joined by MPI.
+
+The layers, bottom up: :mod:`raympi.core` (state, optimizers, pure steps; torch only),
+:mod:`raympi.comm` (the MPI communicator among Ray actors), :mod:`raympi.worker` (one rank) and
+:mod:`raympi.driver` (``fit``).  ``import raympi`` needs neither MPI nor Ray running: the MPI
+library is checked when ``fit()`` or ``comm.form()`` first needs it.
+"""
 
 from __future__ import annotations
 
-import os
-import sys
+from typing import Any
 
-from raympi import _mpi
+from raympi import comm
+from raympi.core import TrainState, make_eval_step, make_train_step, optim
 from raympi.exceptions import (
     CapacityError, ConfigError, FormationError, MPIUnavailableError, NonFiniteLossError, PreemptedError, RaympiError,
     RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError,
@@ -13,21 +19,20 @@ from raympi.exceptions import (
 
 __version__ = "0.1.0"
 
-# A broken or missing MPI library is reported on import, in one line that says what to
-# install.  `python -m raympi doctor` / the `raympi` script must still run to say it too.
-_running_doctor = sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.argv else "") == "raympi"
-if not _running_doctor and (_reason := _mpi.problem()):
-    raise MPIUnavailableError(_reason)
+# The driver imports Ray: loaded on first use, so the core stays light.
+_DRIVER = {"fit": "fit", "Result": "fit", "FitConfig": "config", "MPIConfig": "config", "load_checkpoint": "checkpoint"}
 
-from raympi import optim  # noqa: E402
-from raympi._state import TrainState  # noqa: E402
-from raympi._step import make_eval_step, make_train_step  # noqa: E402
-from raympi.checkpoint import load_checkpoint  # noqa: E402
-from raympi.config import FitConfig, MPIConfig  # noqa: E402
-from raympi.fit import Result, fit  # noqa: E402
+
+def __getattr__(name: str) -> Any:
+    if name in _DRIVER:
+        import importlib
+
+        return getattr(importlib.import_module(f"raympi.driver.{_DRIVER[name]}"), name)
+    raise AttributeError(f"module 'raympi' has no attribute {name!r}")
+
 
 __all__ = [
-    "CapacityError", "NonFiniteLossError", "PreemptedError", "RestartsExhaustedError", "StepTimeoutError", "WorkerLostError",
-    "ConfigError", "FitConfig", "FormationError", "MPIConfig", "MPIUnavailableError", "RaympiError", "Result",
-    "TrainState", "TrainingError", "__version__", "fit", "load_checkpoint", "make_eval_step", "make_train_step", "optim",
+    "CapacityError", "ConfigError", "FitConfig", "FormationError", "MPIConfig", "MPIUnavailableError", "NonFiniteLossError",
+    "PreemptedError", "RaympiError", "RestartsExhaustedError", "Result", "StepTimeoutError", "TrainState", "TrainingError",
+    "WorkerLostError", "__version__", "comm", "fit", "load_checkpoint", "make_eval_step", "make_train_step", "optim",
 ]

@@ -10,8 +10,8 @@ import sys
 
 _PAIR = r"""
 import sys
-from raympi import _mpi
-MPI = _mpi.init()
+from raympi.comm import library
+MPI = library.init()
 if sys.argv[1] == "accept":
     port = MPI.Open_port()
     print(port, flush=True)
@@ -78,12 +78,12 @@ def ray_cluster(timeout_s: float = 30.0) -> str:
 
 def doctor() -> int:
     """Print versions and checks; 0 when MPI works, 1 with a one-line reason otherwise."""
-    from raympi import _mpi
+    from raympi.comm import library
 
     for dist in ("raympi", "ray", "torch", "mpi4py", "mpich"):
         print(f"{dist:8} {_version(dist)}")
-    reason = _mpi.problem()
-    print(f"{'MPI':8} {'-' if reason else _mpi.library_version()}")
+    reason = library.problem()
+    print(f"{'MPI':8} {'-' if reason else library.library_version()}")
     if reason:
         print(f"FAIL: {reason}")
         return 1

@@ -55,3 +55,8 @@ class PreemptedError(RaympiError):
 
 class CollectiveAborted(RaympiError):
     """A rank abandoned a collective because the driver asked it to (a peer failed)."""
+
+
+def where(rank: int, world: int | None = None, host: str | None = None) -> str:
+    """The header every remote error carries: ``rank r of n on HOST``."""
+    return f"rank {rank}" + (f" of {world}" if world else "") + (f" on {host}" if host else "")

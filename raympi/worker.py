@@ -7,6 +7,7 @@ runs a chunk of steps per call: the driver sends only sample indices.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -15,44 +16,74 @@ from typing import Any, Callable
 import numpy as np
 import ray
 import torch
-import torch.nn.functional as F
 
-from raympi import _mpi, _tree, comm, data
-from raympi._state import TrainState
-from raympi._step import make_eval_step, make_train_step
+from raympi import comm
+from raympi.comm import library
+from raympi.core import pytree
+from raympi.core.state import TrainState
+from raympi.core.batch import correct_predictions
+from raympi.core.step import make_eval_step, make_train_step
 from raympi.exceptions import CollectiveAborted
 
-__all__ = ["Worker", "accuracy"]
+__all__ = ["Worker", "WorkerSpec", "accuracy", "to_tensors"]
 
 EVAL_BATCH = 1024
 
 
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Share of samples whose arg-max output is the target class."""
-    return (outputs.argmax(1) == targets).float().mean()
+def accuracy(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Share of samples whose arg-max output is the target class; NaN where that is no classification."""
+    correct = correct_predictions(outputs, targets)
+    return torch.tensor(float("nan")) if correct is None else correct.double() / max(1, targets.shape[0])
 
 
-def _as_tensor(x: Any) -> torch.Tensor:
+def _get_pair(refs: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     # The object store's arrays are read-only (zero-copy); we only gather from them.
-    return x if isinstance(x, torch.Tensor) else _tree.from_arrays(np.asarray(x))
+    return tuple(x if isinstance(x, torch.Tensor) else pytree.from_arrays(np.asarray(x)) for x in ray.get(list(refs)))  # type: ignore[return-value]
+
+
+def to_tensors(dataset: Any, columns: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialize a (shard of a) ``ray.data.Dataset`` as an (inputs, targets) pair of tensors."""
+    batch = dataset.take_batch(batch_size=max(1, dataset.count()), batch_format="numpy")
+    return tuple(torch.from_numpy(np.array(batch[c])) for c in columns)  # type: ignore[return-value]  # a writable copy
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker is built from; the same for every rank of a run.
+
+    Attributes:
+        model: the module (a template: its tensors become the state).
+        loss_fn: ``loss_fn(outputs, targets)`` -> mean over the samples given.
+        optimizer: a :mod:`raympi.optim` transform.
+        train: ``(inputs, targets)`` object refs of arrays, or ``None`` (a Ray Dataset shard comes in ``setup``).
+        eval: ``(inputs, targets)`` object refs of the evaluation set, or ``None``.
+        device: ``"cpu"`` or ``"cuda"``.
+        torch_threads: torch threads of this worker.
+    """
+
+    model: torch.nn.Module
+    loss_fn: Callable[..., Any]
+    optimizer: Any
+    train: tuple[Any, Any] | None = None
+    eval: tuple[Any, Any] | None = None
+    device: str = "cpu"
+    torch_threads: int = 1
 
 
 class Worker(comm.Member):
     """One rank: call :meth:`setup` after :func:`raympi.comm.form`, then :meth:`run` chunks of steps."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, optimizer: Any, inputs: Any, targets: Any,
-                 eval_inputs: Any, eval_targets: Any, rank: int, device: str, torch_threads: int | None) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        torch.set_num_threads(spec.torch_threads)
         self.host = socket.gethostname()
         self.rank = rank  # the rank this actor will get; Ray tags its printed lines with it (see __repr__)
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        self.model = model.to(self.device)
-        self.loss_fn = loss_fn or F.cross_entropy
-        self.optimizer = optimizer
-        # The arrays come from Ray's object store (top-level ObjectRef arguments): zero-copy, shared per node.
-        self.inputs, self.targets = (_as_tensor(inputs), _as_tensor(targets)) if inputs is not None else (None, None)
-        self.eval_data = (_as_tensor(eval_inputs), _as_tensor(eval_targets)) if eval_inputs is not None else None
+        self.device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
+        self.model = spec.model.to(self.device)
+        self.loss_fn = spec.loss_fn
+        self.optimizer = spec.optimizer
+        # The arrays live in Ray's object store: ray.get maps them zero-copy, shared per node.
+        self.inputs, self.targets = _get_pair(spec.train) if spec.train else (None, None)
+        self.eval_data = _get_pair(spec.eval) if spec.eval else None
         self.state: TrainState | None = None
         # A spot reclaim sends SIGTERM: note it, finish the chunk, and let the driver take a checkpoint
         # and re-form the group without this rank (it kills us then).
@@ -68,7 +99,7 @@ class Worker(comm.Member):
         ``shard``: this rank's part of a ``ray.data.Dataset`` (then step indices refer to it).
         """
         if shard is not None:
-            self.inputs, self.targets = data.to_tensors(shard, columns)
+            self.inputs, self.targets = to_tensors(shard, columns)
         assert self.comm is not None and self.comm.rank == self.rank, "form the communicator first"
         self._build_steps()
         state_tree = TrainState.create(self.model, self.optimizer, seed=seed) if state is None else TrainState.from_dict(state)
@@ -87,7 +118,7 @@ class Worker(comm.Member):
         return int(self.state.step)
 
     def _build_steps(self) -> None:
-        self.comm.mpi.Set_errhandler(_mpi.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
+        self.comm.mpi.Set_errhandler(library.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
         self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer,
                                           grad_sync=self.comm.allreduce_, rank=self.rank, donate=True)
         self.eval_step = make_eval_step(self.model, {"loss": self.loss_fn, "accuracy": accuracy})
@@ -95,7 +126,7 @@ class Worker(comm.Member):
     def _own(self, state: TrainState) -> None:
         # Steps donate the state's memory (update in place), so the state must be this actor's own:
         # what came through Ray may be read-only object-store memory.
-        self.state = _tree.map(lambda t: t.to(self.device).clone() if isinstance(t, torch.Tensor) else t, state)
+        self.state = pytree.map(lambda t: t.to(self.device).clone() if isinstance(t, torch.Tensor) else t, state)
 
     def _batch(self, inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs[index].to(self.device, non_blocking=True), targets[index].to(self.device, non_blocking=True)
@@ -108,7 +139,7 @@ class Worker(comm.Member):
         state as it was before that step, and the chunk returns early with ``aborted``.
         """
         history: list[dict[str, Any]] = []
-        MPI = _mpi.require()
+        MPI = library.require()
         aborted = False
         for index in shards:
             try:
@@ -121,14 +152,16 @@ class Worker(comm.Member):
 
     def evaluate(self, index: torch.Tensor) -> dict[str, float] | None:
         """Evaluate this rank's share of the eval set; rank 0 returns the global means."""
-        totals = {"loss": 0.0, "accuracy": 0.0, "samples": 0.0}
+        totals = {"loss": 0.0, "accuracy": 0.0, "samples": 0.0}  # accuracy: NaN for regression
         for chunk in torch.split(index, EVAL_BATCH):
             if len(chunk):
                 for k, v in self.eval_step(self.state, self._batch(*self.eval_data, chunk)).items():
                     totals[k] += v
         summed = self.comm.allreduce_([torch.tensor(list(totals.values()), dtype=torch.float64)])[0].tolist()
         loss, correct, samples = summed
-        return {"eval_loss": loss / samples, "eval_accuracy": correct / samples} if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return {"eval_loss": loss / samples, **({"eval_accuracy": correct / samples} if correct == correct else {})}
 
     @ray.method(concurrency_group="health")
     def abort(self) -> None:
@@ -144,11 +177,11 @@ class Worker(comm.Member):
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain CPU tensors (what a checkpoint holds).
 
-        The tensors go as numpy arrays (:func:`raympi._tree.to_arrays`: one copy into the object store).
+        The tensors go as numpy arrays (:func:`raympi.core.pytree.to_arrays`: one copy into the object store).
         On CPU they are the live ones; Ray serializes the return value before the next step runs.
         """
-        return _tree.to_arrays(_tree_to(self.state, torch.device("cpu")).to_dict())
+        return pytree.to_arrays(_tree_to(self.state, torch.device("cpu")).to_dict())
 
 
 def _tree_to(state: TrainState, device: torch.device) -> TrainState:
-    return _tree.map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state)
+    return pytree.map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import raympi
-from raympi.checkpoint import CheckpointStore
+from raympi.driver.checkpoint import CheckpointStore
 from raympi.exceptions import ConfigError
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from raympi import comm
+from raympi.comm.communicator import INPLACE_MIN_BYTES
 from raympi.exceptions import ConfigError, FormationError
 
 SIZES = [1, 2, 3, 5, 8]
@@ -18,6 +20,25 @@ SIZES = [1, 2, 3, 5, 8]
 def _peer_class(ray):
     @ray.remote(num_cpus=0)
     class Peer(comm.Member):
+        witness = False  # return the agreement's FormationError instead of raising it
+
+        def mpi_finish(self, *args):
+            try:
+                return super().mpi_finish(*args)
+            except FormationError as exc:
+                if self.witness:
+                    return str(exc)
+                raise
+
+        def witness_agreement(self, on):
+            self.witness = on
+
+        def fault_joins(self):
+            """From now on this member's joins fault after merging (freeing what a merge leaves behind fails)."""
+            def release(*args):
+                raise RuntimeError("injected fault")
+            self._release = release
+
         def reduce(self, tensors, bucket_bytes):
             calls = []
             self.comm.bucket_bytes = bucket_bytes
@@ -180,11 +201,31 @@ def test_member_that_never_connects_hits_the_deadline(ray_session):
     assert _all_dead(ray_session, peers)
 
 
+def test_a_member_whose_join_faulted_fails_the_agreement_everywhere(ray_session):
+    Peer = _peer_class(ray_session)
+    peers = [Peer.remote() for _ in range(3)]
+    ray_session.get([p.witness_agreement.remote(True) for p in peers] + [peers[1].fault_joins.remote()])
+    agreement = r"the closing agreement of 3 ranks failed: rank 1 of 3 on \S+: merge round 1: RuntimeError: injected fault"
+
+    # Every member, not only the one at fault, raises the same FormationError (witnesses return it).
+    outcomes = comm.form(peers, timeout_s=60)
+    assert all(isinstance(o, str) for o in outcomes) and len(set(outcomes)) == 1, outcomes
+    assert re.fullmatch(agreement, outcomes[0]), outcomes[0]
+
+    # On the driver: the agreement's FormationError, long before the deadline; every member is killed.
+    ray_session.get([p.witness_agreement.remote(False) for p in peers])
+    start = time.monotonic()
+    with pytest.raises(FormationError, match=agreement + "; every member was killed$"):
+        comm.form(peers, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert _all_dead(ray_session, peers)
+
+
 def test_large_tensors_are_reduced_where_they_lie(ray_session, pool):
     peers = pool[:2]
     comm.form(peers, timeout_s=60)
 
-    big = comm.INPLACE_MIN_BYTES // 4  # float32 elements of the smallest in-place tensor
+    big = INPLACE_MIN_BYTES // 4  # float32 elements of the smallest in-place tensor
     results = ray_session.get([p.reduce.remote([torch.full((big + 1,), float(r + 1)), torch.ones(3)], 1 << 20) for r, p in enumerate(peers)])
     for out, calls in results:
         assert torch.equal(out[0], torch.full((big + 1,), 3.0)) and out[1].tolist() == [2.0, 2.0, 2.0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from raympi.config import MPIConfig, parse_config
-from raympi.data import epoch_order, rank_slices, steps_per_epoch
+from raympi.driver.config import MPIConfig, parse_config
+from raympi.driver.data import epoch_order, rank_slices, steps_per_epoch
 from raympi.exceptions import ConfigError
 
 

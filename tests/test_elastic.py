@@ -138,12 +138,12 @@ def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrup
         done.set()
 
     lost_record = result.restarts[0]
-    assert lost_record["kind"] == "WorkerLostError" and lost_record["world_before"] == 3 and lost_record["world_after"] == 2
+    assert lost_record["kind"] == "worker_lost" and lost_record["world_before"] == 3 and lost_record["world_after"] == 2
     assert lost_record["path"] == "warm", lost_record
     assert lost_record["restored_step"] >= 20 and lost_record["steps_lost"] >= 0
     assert 0 < lost_record["recovery_s"] < 30
     # capacity came back: grown to 3 again, warm (the replacement waiting for a node joins) or cold
-    assert [r["kind"] for r in result.restarts[1:]] in (["Grow"], ["Regroup"]), result.restarts
+    assert [r["kind"] for r in result.restarts[1:]] in (["replacement_ready"], ["capacity_back"]), result.restarts
     worlds = [r["world_size"] for r in result.metrics]
     assert 2 in worlds and worlds[-1] == 3
     assert [r["step"] for r in result.metrics] == list(range(1, len(result.metrics) + 1))
@@ -162,7 +162,7 @@ def _manifest_metrics(folder: pathlib.Path) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("sig, kind", [(signal.SIGKILL, "WorkerLostError"), (signal.SIGSTOP, "StepTimeoutError")])
+@pytest.mark.parametrize("sig, kind", [(signal.SIGKILL, "worker_lost"), (signal.SIGSTOP, "hung")])
 def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, sig, kind):
     folder = tmp_path / "ck"
     _when_checkpoint(folder, 20, lambda: _signal_one_worker(sig))
@@ -192,7 +192,7 @@ def test_user_exception_fails_fast_without_restart(cluster, tmp_path):
     x, y = _data()
     x[1500, 0] = 999  # reached some way into the first epoch, on one rank only
     start = time.monotonic()
-    with pytest.raises(TrainingError, match=r"rank \d on \S+ raised ValueError: sample 999 is poisoned") as info:
+    with pytest.raises(TrainingError, match=r"rank \d of \d on \S+ raised ValueError: sample 999 is poisoned") as info:
         raympi.fit(Picky(), (x, y), workers=3, checkpoint_dir=str(tmp_path), **OPTIONS)
     assert "Traceback on rank" in str(info.value) and "in forward" in str(info.value)
     assert time.monotonic() - start < 60
@@ -221,7 +221,7 @@ def test_sigterm_to_a_worker_checkpoints_then_regroups(cluster, uninterrupted, t
     folder = tmp_path / "ck"
     _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGTERM))
     result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **OPTIONS)
-    assert [r["kind"] for r in result.restarts] == ["Preempted"]
+    assert [r["kind"] for r in result.restarts] == ["preempted"]
     record = result.restarts[0]
     assert record["steps_lost"] == 0 and record["restored_step"] > 20
     assert (folder / f"step-{record['restored_step']:08d}").exists() or record["restored_step"] < result.metrics[-1]["step"]

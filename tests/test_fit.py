@@ -175,7 +175,7 @@ def test_user_error_on_a_worker_names_rank_and_host(ray_session, tmp_path):
             return self.lin(x)
 
     data = (torch.randn(64, 4), torch.zeros(64, dtype=torch.long))
-    with pytest.raises(TrainingError, match=r"rank 2 on \S+ raised RuntimeError: fussy model") as info:
+    with pytest.raises(TrainingError, match=r"rank 2 of 3 on \S+ raised RuntimeError: fussy model") as info:
         raympi.fit(Fussy(), data, workers=3, batch_size=5, checkpoint_dir=str(tmp_path), progress=False)
     assert "Traceback on rank 2" in str(info.value) and "in forward" in str(info.value)
     assert _idle(ray_session)

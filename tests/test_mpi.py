@@ -28,11 +28,28 @@ def _run(args, fake, tmp_path):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
 
 
+_USE_CORE = (
+    "import raympi, torch\n"
+    "opt = raympi.optim.adam(1e-3)\n"
+    "model = torch.nn.Linear(3, 2)\n"
+    "state = raympi.TrainState.create(model, opt)\n"
+    "step = raympi.make_train_step(model, torch.nn.functional.cross_entropy, opt)\n"
+    "state, m = step(state, (torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))\n"
+    "assert int(state.step) == 1 and m['loss'] > 0\n"
+    "import sys; assert 'ray' not in sys.modules, 'import raympi must not import Ray'\n"
+    "print('core ok')\n"
+)
+_FIT = "import raympi, torch\nraympi.fit(torch.nn.Linear(3, 2), (torch.randn(8, 3), torch.zeros(8, dtype=torch.long)), batch_size=4)\n"
+
+
 @pytest.mark.parametrize("fake, words", [("mpich5", ["MPICH 5", "mpich>=4.3,<5", "7805"]), ("missing", ["no usable MPI library", "pip install"])])
-def test_import_and_doctor_explain_a_bad_mpi(tmp_path, fake, words):
-    imported = _run(["-c", "import raympi"], fake, tmp_path)
-    assert imported.returncode != 0
-    last = imported.stderr.strip().splitlines()[-1]
+def test_core_works_without_mpi_and_fit_explains_it(tmp_path, fake, words):
+    core = _run(["-c", _USE_CORE], fake, tmp_path)
+    assert core.returncode == 0 and "core ok" in core.stdout, core.stderr[-2000:]
+
+    fitted = _run(["-c", _FIT], fake, tmp_path)
+    assert fitted.returncode != 0
+    last = fitted.stderr.strip().splitlines()[-1]
     assert last.startswith("raympi.exceptions.MPIUnavailableError: ")
     assert all(w in last for w in words), last
 
@@ -42,11 +59,26 @@ def test_import_and_doctor_explain_a_bad_mpi(tmp_path, fake, words):
     assert len(fail) == 1 and all(w in fail[0] for w in words), doctor.stdout
 
 
+def test_core_works_when_mpi4py_cannot_be_imported(tmp_path):
+    """An import hook refuses mpi4py outright (as on a laptop without it)."""
+    blocker = (
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'mpi4py' or name.startswith('mpi4py.'):\n"
+        "            raise ImportError('No module named mpi4py (blocked by the test)')\n"
+        "sys.meta_path.insert(0, _Block())\n"
+    )
+    done = _run(["-c", blocker + "import raympi; raympi.TrainState; raympi.optim.adam; raympi.comm.form\n" + _USE_CORE], None, tmp_path)
+    assert done.returncode == 0 and "core ok" in done.stdout, done.stderr[-2000:]
+
+
 def test_forming_with_a_broken_mpi_is_refused(monkeypatch):
-    from raympi import _mpi, comm
+    from raympi import comm
+    from raympi.comm import library
     from raympi.exceptions import FormationError
 
-    monkeypatch.setattr(_mpi, "library_version", lambda: "MPICH Version:      5.0.0")
+    monkeypatch.setattr(library, "library_version", lambda: "MPICH Version:      5.0.0")
     with pytest.raises(FormationError, match="4.3 series"):
         comm.form([object()], timeout_s=5)
 

@@ -107,7 +107,7 @@ def test_three_hosts_match_one_host(reference):
 
 def _recovered(result: dict, fired: dict, reference: dict) -> dict:
     """Common checks after a host failure; returns the restart record with measured latencies."""
-    assert [r["kind"] for r in result["restarts"]][:1] in (["StepTimeoutError"], ["WorkerLostError"]), result["restarts"]
+    assert [r["kind"] for r in result["restarts"]][:1] in (["hung"], ["worker_lost"]), result["restarts"]
     record = result["restarts"][0]
     assert record["world_before"] == 3 and record["world_after"] == 2, record
     assert record["restored_step"] >= 20, record
@@ -137,7 +137,7 @@ def _train_through(hosts, reference, tmp_path, name: str, victim: int, failure) 
 
 def test_cut_link_detected_within_step_deadline_and_training_finishes(hosts, reference, tmp_path):
     record = _train_through(hosts, reference, tmp_path, "cut", 2, hosts.cut)
-    assert record["kind"] == "StepTimeoutError", record
+    assert record["kind"] == "hung", record
     assert "step_timeout_s=4" in record["cause"] and len(record["ranks"]) == 1, record
     # noticed within the step deadline (plus the 2 s ping that finds the silent rank and a margin)
     assert record["detect_s"] < OPTIONS["step_timeout_s"] + 2 + 3, record
@@ -145,7 +145,7 @@ def test_cut_link_detected_within_step_deadline_and_training_finishes(hosts, ref
 
 def test_node_loss_recovered(hosts, reference, tmp_path):
     record = _train_through(hosts, reference, tmp_path, "lost", 1, hosts.kill_host)
-    assert record["kind"] in ("WorkerLostError", "StepTimeoutError"), record
+    assert record["kind"] in ("worker_lost", "hung"), record
     assert record["detect_s"] < 15, record
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad
 
-from raympi import _tree, optim
+from raympi.core import optim, pytree
 
 torch.set_num_threads(1)
 
@@ -139,17 +139,17 @@ def test_update_and_apply_gradients_are_pure(name):
     grads = {"a": torch.randn(4, 3), "b": torch.randn(3)}
     state = opt.init(params)
     for _ in range(2):  # the second round starts from a non-trivial state
-        snapshot = [t.clone() for t in _tree.tensor_leaves((params, grads, state))]
+        snapshot = [t.clone() for t in pytree.tensor_leaves((params, grads, state))]
         updates, new_state = opt.update(grads, state, params)
         new_params, fused_state = optim.apply_gradients(opt, grads, state, params)
-        after = _tree.tensor_leaves((params, grads, state))
+        after = pytree.tensor_leaves((params, grads, state))
         assert all(torch.equal(a, b) for a, b in zip(snapshot, after))
         again, _ = opt.update(grads, state, params)
-        assert all(torch.equal(a, b) for a, b in zip(_tree.leaves(updates), _tree.leaves(again)))
+        assert all(torch.equal(a, b) for a, b in zip(pytree.leaves(updates), pytree.leaves(again)))
         # The two paths agree to rounding and produce the same state.
-        for a, b in zip(_tree.leaves(new_params), _tree.leaves(optim.apply_updates(params, updates))):
+        for a, b in zip(pytree.leaves(new_params), pytree.leaves(optim.apply_updates(params, updates))):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        assert all(torch.equal(a, b) for a, b in zip(_tree.leaves(new_state), _tree.leaves(fused_state)))
+        assert all(torch.equal(a, b) for a, b in zip(pytree.leaves(new_state), pytree.leaves(fused_state)))
         state, params = new_state, new_params
 
 
@@ -159,9 +159,9 @@ def test_state_survives_torch_save(tmp_path):
     _, state = opt.update({"w": torch.randn(3)}, opt.init(params), params)
     torch.save(state, tmp_path / "s.pt")
     loaded = torch.load(tmp_path / "s.pt", weights_only=True)
-    leaves, spec = _tree.flatten(state)
-    assert spec == _tree.flatten(loaded)[1]
-    assert all(torch.equal(a, b) for a, b in zip(leaves, _tree.leaves(loaded)))
+    leaves, spec = pytree.flatten(state)
+    assert spec == pytree.flatten(loaded)[1]
+    assert all(torch.equal(a, b) for a, b in zip(leaves, pytree.leaves(loaded)))
 
 
 def test_schedules():
@@ -194,9 +194,9 @@ def test_donated_step_equals_pure_step_in_place(name):
     for step in range(3):
         grads = {"a": torch.randn(4, 3), "b": torch.randn(3)}
         pure_params, pure_state = optim.apply_gradients(opt, grads, state, params)
-        ptrs = [t.data_ptr() for t in _tree.tensor_leaves((params, state)) if t.numel() > 1]
+        ptrs = [t.data_ptr() for t in pytree.tensor_leaves((params, state)) if t.numel() > 1]
         params, state = optim.apply_gradients(opt, grads, state, params, donate=True)
         for ours, pure in ((params, pure_params), (state, pure_state)):
-            assert all(torch.equal(a, b) for a, b in zip(_tree.leaves(ours), _tree.leaves(pure)))
+            assert all(torch.equal(a, b) for a, b in zip(pytree.leaves(ours), pytree.leaves(pure)))
         # Parameters and moment buffers were written where the old ones lived.
-        assert ptrs == [t.data_ptr() for t in _tree.tensor_leaves((params, state)) if t.numel() > 1]
+        assert ptrs == [t.data_ptr() for t in pytree.tensor_leaves((params, state)) if t.numel() > 1]

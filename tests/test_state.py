@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from raympi import optim
-from raympi._state import TrainState
+from raympi.core import optim
+from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError
 
 torch.set_num_threads(1)

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raympi import _tree, optim
-from raympi._state import TrainState
-from raympi._step import _step_seed, make_eval_step, make_train_step
+from raympi.core import optim, pytree
+from raympi.core.state import TrainState
+from raympi.core.step import _step_seed, make_eval_step, make_train_step
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
 
 torch.set_num_threads(1)
@@ -41,8 +41,8 @@ def _close(a: dict, b: dict, tol: float) -> None:
 
 
 def _assert_identical(a, b) -> None:
-    la, sa = _tree.flatten(a)
-    lb, sb = _tree.flatten(b)
+    la, sa = pytree.flatten(a)
+    lb, sb = pytree.flatten(b)
     assert sa == sb
     for x, y in zip(la, lb):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
@@ -98,13 +98,13 @@ class _ThreadAllreduce:
 
     def for_rank(self, rank: int):
         def grad_sync(tree):
-            leaves, spec = _tree.flatten(tree)
+            leaves, spec = pytree.flatten(tree)
             self.slots[rank] = leaves
             self.barrier.wait()
             # Every rank sums in rank order, so all ranks get bit-identical results.
             summed = [sum(parts[1:], parts[0]) for parts in zip(*self.slots)]
             self.barrier.wait()  # nobody overwrites a slot before all have read
-            return _tree.unflatten(summed, spec)
+            return pytree.unflatten(summed, spec)
 
         return grad_sync
 
@@ -197,7 +197,7 @@ def test_train_step_is_pure():
     step_fn = make_train_step(model, F.cross_entropy, opt)
     state = TrainState.create(model, opt, seed=1)
     state, _ = step_fn(state, _batch(0))  # a non-trivial optimizer state
-    snapshot = _tree.map(torch.clone, state)
+    snapshot = pytree.map(torch.clone, state)
     rng_before = torch.get_rng_state()
     module_before = copy.deepcopy(model.state_dict())
 
@@ -218,7 +218,7 @@ def test_donated_step_matches_pure_step():
     pure_fn = make_train_step(model, F.cross_entropy, opt)
     donating_fn = make_train_step(model, F.cross_entropy, opt, donate=True)
     pure = TrainState.create(model, opt)
-    donated = _tree.map(torch.clone, pure)
+    donated = pytree.map(torch.clone, pure)
     weight = donated.params["0.weight"]
     for step in range(5):
         pure, m1 = pure_fn(pure, _batch(step))
@@ -411,9 +411,9 @@ def test_first_step_does_not_import_dynamo():
 
     code = (
         "import sys, torch, torch.nn.functional as F\n"
-        "from raympi import optim\n"
-        "from raympi._state import TrainState\n"
-        "from raympi._step import make_train_step\n"
+        "from raympi.core import optim\n"
+        "from raympi.core.state import TrainState\n"
+        "from raympi.core.step import make_train_step\n"
         "m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))\n"
         "step = make_train_step(m, F.cross_entropy, optim.sgd(0.1))\n"
         "state, metrics = step(TrainState.create(m, optim.sgd(0.1)), (torch.randn(5, 2, 2), torch.randint(0, 3, (5,))))\n"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from typing import Any, Sequence
 
 import ray
@@ -17,9 +16,11 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raympi import comm
-from raympi.config import FitConfig
-from raympi.exceptions import CapacityError, RaympiError, StepTimeoutError, TrainingError, WorkerLostError
-from raympi.worker import Worker
+from raympi.deadline import Deadline, Expired, each_done
+from raympi.driver.config import FitConfig
+from raympi.driver.policy import Failed, Failure, FailureKind
+from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
+from raympi.worker import Worker, WorkerSpec
 
 __all__ = ["WorkerGroup", "cluster_capacity", "spans_hosts", "worker_bundle"]
 
@@ -58,9 +59,22 @@ def spans_hosts(bundle: dict[str, float], placed: Sequence[str]) -> bool:
 
 
 class WorkerGroup:
-    """``cfg.workers`` :class:`~raympi.worker.Worker` actors joined into one MPI communicator."""
+    """``world`` :class:`~raympi.worker.Worker` actors joined into one MPI communicator.
 
-    def __init__(self, cfg: FitConfig, world: int, worker_args: tuple, state: Any, use_gpu: bool,
+    Args:
+        cfg: the run's options.
+        world: how many ranks.
+        spec: what every worker is built from (a :class:`~raympi.worker.WorkerSpec`).
+        state: the state to start from (a checkpoint's), or ``None`` for the model's own.
+        ray_dataset: a ``ray.data.Dataset`` and its columns, split over the ranks; else ``None``.
+        place_timeout_s: a shorter deadline for placing the workers (restarts count capacity again sooner).
+
+    Raises:
+        CapacityError: the workers could not be placed or started within ``startup_timeout_s``.
+        Failed: a worker died or failed while starting (a :class:`~raympi.driver.policy.Failure`).
+    """
+
+    def __init__(self, cfg: FitConfig, world: int, spec: WorkerSpec, state: Any,
                  ray_dataset: tuple[Any, tuple[str, str]] | None = None, place_timeout_s: float | None = None) -> None:
         self.cfg = cfg
         self.world = world
@@ -69,44 +83,43 @@ class WorkerGroup:
         self.nodes: list[str] = []
         self.pg = None
         self.pending: list[tuple[Any, int, Any]] = []  # replacements still starting: (actor, bundle, ready ref)
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        bundle = worker_bundle(cfg, use_gpu)
+        deadline = Deadline(cfg.startup_timeout_s, "startup_timeout_s")
+        self.bundle = worker_bundle(cfg, spec.device == "cuda")
         try:
-            self._place(bundle, min(deadline, time.monotonic() + (place_timeout_s or cfg.startup_timeout_s)))
+            self._place(deadline.sooner(place_timeout_s or cfg.startup_timeout_s))
             self.bundles = list(range(world))  # placement-group bundle of each rank
             node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
             self.nodes = [node_of_bundle[i] for i in range(world)]
-            env = {**cfg.mpi.environment(multi_host=spans_hosts(bundle, self.nodes))}
-            threads = cfg.torch_threads or max(1, int(bundle.get("CPU", 1)))
-            env["OMP_NUM_THREADS"] = str(threads)
-            if not use_gpu:
+            env = {**cfg.mpi.environment(multi_host=spans_hosts(self.bundle, self.nodes))}
+            env["OMP_NUM_THREADS"] = str(spec.torch_threads)
+            if spec.device == "cpu":
                 # Keep freed gradient-sized blocks in glibc's heap: otherwise each step's fresh
                 # gradients page-fault tens of MB back in (measured: up to 28 ms a step on a 5.8M MLP).
                 env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 2**20))
                 env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**31 - 1))
-            self._spawn_args = (bundle, env, threads, worker_args, use_gpu)
+            self._env, self._spec_ref = env, ray.put(spec)
             self.actors = [self._spawn(i, i) for i in range(world)]
-            self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", "startup_timeout_s")
-            members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=cfg.bucket_bytes,
-                                 compression=cfg.compression)
+            self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", startup=True)
+            members = comm.form(self.actors, timeout_s=max(1.0, deadline.remaining()), bucket_bytes=cfg.bucket_bytes,
+                                compression=cfg.compression)
             self.hosts = [host for _, _, host in members]
             self.state_ref = state if state is None else ray.put(state)
             shards = ray_dataset[0].split(world, equal=True) if ray_dataset else [None] * world
             columns = ray_dataset[1] if ray_dataset else None
             self.pids = self.gather([a.setup.remote(self.state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
-                                    deadline, "setting up the workers", "startup_timeout_s")
+                                    deadline, "setting up the workers", startup=True)
         except BaseException:
             self.shutdown()
             raise
 
     def _spawn(self, bundle_index: int, rank: int) -> Any:
-        bundle, env, threads, worker_args, use_gpu = self._spawn_args
+        bundle = self.bundle
         return ray.remote(concurrency_groups={"health": 1})(Worker).options(
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
             resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index),
-            runtime_env={"env_vars": env}, max_restarts=0,
-        ).remote(*worker_args, rank, "cuda" if use_gpu else "cpu", threads)
+            runtime_env={"env_vars": self._env}, max_restarts=0,
+        ).remote(self._spec_ref, rank)
 
     def replace(self, failed: list[int]) -> None:
         """Kill the ``failed`` ranks and start replacements in the background where live nodes have room.
@@ -115,7 +128,7 @@ class WorkerGroup:
         """
         for r in failed:
             ray.kill(self.actors[r], no_restart=True)
-        room = max(0, cluster_capacity(self._spawn_args[0]) - (self.world - len(failed)) - len(self.pending))
+        room = max(0, cluster_capacity(self.bundle) - (self.world - len(failed)) - len(self.pending))
         for r in failed[:room]:  # a lost node's bundle has nowhere to go until capacity returns
             actor = self._spawn(self.bundles[r], rank=-1)
             self.pending.append((actor, self.bundles[r], actor.__ray_ready__.remote()))
@@ -124,7 +137,7 @@ class WorkerGroup:
         """Whether a replacement started by :meth:`replace` is ready to join."""
         return bool(self.pending) and bool(ray.wait([ref for _, _, ref in self.pending], timeout=0)[0])
 
-    def reform(self, keep: list[int], root: int, deadline: float) -> None:
+    def reform(self, keep: list[int], root: int, deadline: Deadline) -> None:
         """A new communicator of the old ranks ``keep`` (in order) and the replacements ready by now.
 
         Waits for replacements only while fewer than ``min_workers`` ranks would be left; the others
@@ -140,22 +153,23 @@ class WorkerGroup:
                     ready.append(item)
                 except ray.exceptions.RayError:
                     ray.kill(item[0], no_restart=True)
-            if len(keep) + len(ready) >= self.cfg.min_workers or not self.pending or time.monotonic() > deadline:
+            if len(keep) + len(ready) >= self.cfg.min_workers or not self.pending or deadline.expired():
                 break
-            ray.wait([ref for _, _, ref in self.pending], num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            ray.wait([ref for _, _, ref in self.pending], num_returns=1, timeout=deadline.remaining())
         if len(keep) + len(ready) < self.cfg.min_workers:
             raise CapacityError(f"only {len(keep) + len(ready)} worker(s) could be kept or started, fewer than min_workers={self.cfg.min_workers}")
         self.actors = [self.actors[r] for r in keep] + [a for a, _, _ in ready]
         self.bundles = [self.bundles[r] for r in keep] + [b for _, b, _ in ready]
         self.world = len(self.actors)
-        members = comm.form(self.actors, timeout_s=max(1.0, deadline - time.monotonic()), bucket_bytes=self.cfg.bucket_bytes,
-                             compression=self.cfg.compression)
+        members = comm.form(self.actors, timeout_s=max(1.0, deadline.remaining()), bucket_bytes=self.cfg.bucket_bytes,
+                            compression=self.cfg.compression)
         self.hosts = [host for _, _, host in members]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
-        self.gather([a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group", "restart_timeout_s")
+        self.gather([a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group")
 
-    def _place(self, bundle: dict[str, float], deadline: float) -> None:
+    def _place(self, deadline: Deadline) -> None:
+        bundle = self.bundle
         can_host = cluster_capacity(bundle)
         if can_host < self.world:
             raise CapacityError(
@@ -163,27 +177,30 @@ class WorkerGroup:
                 "lower workers or resources_per_worker, or add nodes"
             )
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy=self.cfg.placement_strategy)
-        if not self.pg.wait(max(0.1, deadline - time.monotonic())):
+        if not self.pg.wait(max(0.1, deadline.remaining())):
             raise CapacityError(
                 f"{self.world} worker(s) of {bundle} could not be placed within "
                 f"startup_timeout_s={self.cfg.startup_timeout_s:g} s (the cluster has room for {can_host} when idle: "
                 "other jobs hold the rest); raise startup_timeout_s or free resources"
             )
 
-    def gather(self, refs: Sequence[Any], deadline: float, what: str, field: str) -> list[Any]:
-        """Results of one call per rank, failing fast on the first error and at ``deadline``."""
+    def gather(self, refs: Sequence[Any], deadline: Deadline, what: str, startup: bool = False) -> list[Any]:
+        """Results of one call per rank, failing fast on the first error and at ``deadline``.
+
+        Raises:
+            Failed: a rank died, raised, or made no progress in time (``startup``: a timeout is a
+                :class:`CapacityError` instead: the workers could not even start).
+        """
         rank_of = {ref: r for r, ref in enumerate(refs)}
-        pending = list(refs)
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                stuck = self.silent(sorted(rank_of[r] for r in pending))
-                limit = getattr(self.cfg, field)
-                error = StepTimeoutError if field == "step_timeout_s" or what.startswith("steps") else CapacityError
-                raise self._tag(error(f"{what}: rank(s) {stuck} made no progress within {field}={limit:g} s (hung process, cut link, or too small a deadline)"), stuck)
-            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            for ref in done:
+        try:
+            for ref in each_done(refs, deadline):
                 self._check(ref, rank_of[ref], what)
+        except Expired as expired:
+            stuck = self.silent(sorted(rank_of[r] for r in expired.pending))
+            message = f"{what}: rank(s) {stuck} made no progress within {deadline.setting} (hung process, cut link, or too small a deadline)"
+            if startup:
+                raise CapacityError(message) from None
+            raise Failed(self._failure(FailureKind.HUNG, message, stuck)) from None
         return ray.get(list(refs))
 
     def silent(self, ranks: list[int], timeout_s: float = 2.0) -> list[int]:
@@ -196,7 +213,7 @@ class WorkerGroup:
         return quiet or ranks
 
     def _check(self, ref: Any, rank: int, what: str) -> None:
-        host = self.hosts[rank] if self.hosts else "?"
+        label = where(rank, self.world, self.hosts[rank] if rank < len(self.hosts) else None)
         try:
             ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
@@ -204,21 +221,22 @@ class WorkerGroup:
             if isinstance(cause, RaympiError) and not isinstance(cause, TrainingError):
                 raise cause from None
             trace = re.sub(r"\x1b\[[0-9;]*m", "", getattr(exc, "traceback_str", "") or str(exc))
-            raise TrainingError(f"{what}: rank {rank} on {host} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}") from None
+            error = TrainingError(f"{what}: {label} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}")
+            raise Failed(self._failure(FailureKind.USER_ERROR, str(error).splitlines()[0], [rank], error)) from None
         except ray.exceptions.RayActorError as exc:
             if what.startswith("starting") and self._node_alive(rank):
                 raise TrainingError(
-                    f"{what}: rank {rank} died on a live node before it could run ({str(exc).splitlines()[0]}). "
+                    f"{what}: {label} died on a live node before it could run ({str(exc).splitlines()[0]}). "
                     "Workers die like this when they cannot unpickle the model, loss or optimizer: make the modules "
                     "that define them importable on every node (ray.init(runtime_env={'working_dir': ...} or 'py_modules'))"
                 ) from None
-            raise self._tag(WorkerLostError(f"{what}: rank {rank} on {host} died ({type(exc).__name__}: {str(exc).splitlines()[0]})"), [rank]) from None
+            message = f"{what}: {label} died ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            raise Failed(self._failure(FailureKind.WORKER_LOST, message, [rank])) from None
 
-    def _tag(self, error: RaympiError, ranks: list[int]) -> RaympiError:
-        """Attach which ranks and nodes failed (the driver's failure record reads them)."""
-        error.ranks = ranks  # type: ignore[attr-defined]
-        error.nodes = [self.nodes[r] for r in ranks if r < len(self.nodes)]  # type: ignore[attr-defined]
-        return error
+    def _failure(self, kind: FailureKind, cause: str, ranks: list[int], error: BaseException | None = None) -> Failure:
+        """A :class:`Failure` naming the failed ranks and their nodes."""
+        nodes = tuple(self.nodes[r] for r in ranks if r < len(self.nodes))
+        return Failure(kind, cause, ranks=tuple(ranks), nodes=nodes, error=error)
 
     def _node_alive(self, rank: int) -> bool:
         node = self.nodes[rank] if rank < len(self.nodes) else None

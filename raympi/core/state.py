@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from raympi import _tree
+from raympi.core import pytree
 from raympi.exceptions import ConfigError
-from raympi.optim import GradientTransformation
+from raympi.core.optim import GradientTransformation
 
 __all__ = ["TrainState"]
 
@@ -135,4 +135,4 @@ class TrainState:
         return cls(**{f: d[f] for f in _FIELDS})
 
 
-_tree.register_dataclass(TrainState, _FIELDS)
+pytree.register_dataclass(TrainState, _FIELDS)

@@ -1,25 +1,14 @@
-"""Layer 1: an MPI communicator formed by Ray actors, and collectives on tensors.
+"""Layer 2: collectives on torch tensors over one MPI communicator of Ray actors.
 
-Ray actors are MPI "singletons" (no ``mpiexec``), so they are joined with MPI's
-dynamic process management: the actors start as groups of one and adjacent
-groups merge pairwise (``Open_port`` / ``Accept`` / ``Connect`` /
-``Intercomm.Merge``), so N actors need ceil(log2 N) rounds.  Group ``i`` always
-merges as the low half with group ``i + 1``, so the actor given at position k
-is rank k.
+A :class:`Communicator` wraps the intracommunicator that :func:`raympi.comm.form` leaves in each
+member (``self.comm``): a bucketed in-place ``allreduce_`` of any tree of tensors (optionally sent
+as 16-bit floats), ``broadcast`` of a state tree, and ``barrier``.  Every collective polls its
+request, so another thread can abandon it (:attr:`Communicator.abort`) when a peer failed.
+Forming the group is :mod:`raympi.comm.formation`'s job.
 
-Use it in two halves::
+Example (inside a member actor, after formation)::
 
-    @ray.remote
-    class Peer(raympi.comm.Member): ...
-
-    peers = [Peer.remote() for _ in range(4)]
-    raympi.comm.form(peers, timeout_s=60)      # on the driver
-    # inside each actor: self.comm is a Communicator
     self.comm.allreduce_([grad_a, grad_b])     # in-place sum over ranks
-
-A blocking ``MPI_Comm_accept`` cannot be cancelled, so when formation fails
-(a member dies, or someone misses the deadline) every member is killed: no
-actor is left blocked, and the caller gets a :class:`FormationError`.
 """
 
 from __future__ import annotations
@@ -30,14 +19,15 @@ import socket
 import threading
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from raympi import _mpi, _tree
-from raympi.exceptions import CollectiveAborted, ConfigError, FormationError
+from raympi.comm import library
+from raympi.core import pytree
+from raympi.exceptions import CollectiveAborted, ConfigError
 
-__all__ = ["Member", "Communicator", "form", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["Communicator", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 # Below this a tensor is packed with others (one call for many small ones); above, copying it
@@ -50,9 +40,9 @@ SPIN_S = 0.02
 # MPI has no 16-bit float types: such tensors are summed in float32 (exact
 # accumulation, one rounding back) at twice the bytes on the wire.
 _REDUCE_AS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
-# Optional compression: float32 gradients travel as 16-bit floats and are summed by a user-defined op.
 # (request, buffer) of every collective abandoned in this process: MPI may still write into the buffer.
 _ABANDONED: list[tuple[Any, Any]] = []
+# Optional compression: float32 gradients travel as 16-bit floats and are summed by a user-defined op.
 _WIRE = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
 
@@ -80,7 +70,7 @@ class Communicator:
         self.bucket_bytes = bucket_bytes
         self.compression = compression
         self.abort = threading.Event()  # set from another thread to abandon the collective in flight
-        self._MPI = _mpi.require()
+        self._MPI = library.require()
         self._wire_op = self._MPI.Op.Create(_sum_16bit(_WIRE[compression]), commute=True) if compression else None
         # More ranks on this host than CPUs for them: waiting ranks must give their core away.
         hosts = comm.allgather(socket.gethostname())
@@ -99,7 +89,7 @@ class Communicator:
             ``tensors`` itself, now holding the sums.
         """
         packed: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in _tree.tensor_leaves(tensors):
+        for t in pytree.tensor_leaves(tensors):
             wire = _REDUCE_AS.get(t.dtype, t.dtype)
             if wire not in _REDUCIBLE:
                 raise TypeError(f"allreduce cannot sum tensors of dtype {t.dtype}")
@@ -187,7 +177,7 @@ class Communicator:
             The root's tree on every rank (the root gets its own object back).
         """
         if self.rank == root:
-            leaves, spec = _tree.flatten(tree)
+            leaves, spec = pytree.flatten(tree)
             layout = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("obj", x) for x in leaves]
             tensors = [x.detach().contiguous().cpu() for x in leaves if isinstance(x, torch.Tensor)]
             payload = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
@@ -208,7 +198,7 @@ class Communicator:
             nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             leaves.append(payload[offset : offset + nbytes].clone().view(dtype).view(shape))  # clone: aligned storage
             offset += nbytes
-        return _tree.unflatten(leaves, spec)
+        return pytree.unflatten(leaves, spec)
 
     def barrier(self) -> None:
         """Block until every rank has called it."""
@@ -246,122 +236,3 @@ def _from_host(host: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     if flat.is_cuda:
         flat.copy_(host, non_blocking=False)
     return flat
-
-
-class Member:
-    """Mixin for a Ray actor class whose instances can join one communicator.
-
-    After :func:`form` returns, ``self.comm`` is this rank's :class:`Communicator`.
-    The ``mpi_*`` methods are called by :func:`form`, not by users.
-    """
-
-    comm: Communicator | None = None
-    _forming: Any = None
-
-    def mpi_open_port(self) -> str:
-        """Open a port for the group this actor leads to accept on."""
-        return _mpi.init().Open_port()
-
-    def mpi_join(self, port: str, accept: bool) -> int:
-        """Merge this actor's group with another: ``accept`` is the low half, else the high half."""
-        MPI = _mpi.init()
-        current = self._forming or MPI.COMM_SELF
-        if accept:
-            inter = current.Accept(port, root=0)
-            if current.Get_rank() == 0:
-                MPI.Close_port(port)
-        else:
-            inter = current.Connect(port, root=0)
-        merged = inter.Merge(high=not accept)
-        inter.Free()
-        if current is not MPI.COMM_SELF:
-            current.Free()
-        self._forming = merged
-        return merged.Get_rank()
-
-    def mpi_finish(self, size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression: str | None = None) -> tuple[int, int, str]:
-        """Close formation with a collective agreement; returns (rank, size, host)."""
-        MPI = _mpi.init()
-        comm = self._forming or MPI.COMM_SELF.Dup()
-        self._forming = None
-        if comm.Get_size() != size or not comm.allreduce(True, op=MPI.LAND):
-            raise FormationError(f"formed a group of {comm.Get_size()} ranks, expected {size}")
-        if self.comm is not None and not self.comm.abort.is_set():
-            self.comm.free()  # an abandoned one may still hold a collective with a dead peer: leave it
-        self.comm = Communicator(comm, bucket_bytes, compression)
-        return self.comm.rank, self.comm.size, socket.gethostname()
-
-
-def form(actors: Sequence[Any], *, timeout_s: float = 60.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         compression: str | None = None) -> list[tuple[int, int, str]]:
-    """Join Ray actors (instances of a :class:`Member` subclass) into one MPI communicator.
-
-    Args:
-        actors: the actor handles; ``actors[k]`` becomes rank ``k``.
-        timeout_s: the deadline for the whole formation.
-        bucket_bytes: bucket size of the resulting communicators' allreduce.
-        compression: ``"bf16"`` or ``"fp16"`` to send float32 tensors as 16-bit floats in
-            :meth:`Communicator.allreduce_`; ``None`` (default) sends them as they are.
-
-    Returns:
-        ``(rank, size, host)`` of every member, in rank order.
-
-    Raises:
-        ConfigError: no actors, or a bad ``timeout_s``.
-        FormationError: a member died or the deadline passed; every member has been killed.
-
-    Example:
-        >>> form([Peer.remote() for _ in range(4)], timeout_s=30)  # doctest: +SKIP
-    """
-    import ray
-
-    if len(actors) < 1:
-        raise ConfigError(f"a communicator needs at least one actor, got {len(actors)}")
-    if timeout_s <= 0:
-        raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
-    reason = _mpi.problem()
-    if reason:
-        raise FormationError(reason)
-    deadline = time.monotonic() + timeout_s
-    try:
-        groups = [[a] for a in actors]
-        while len(groups) > 1:
-            pairs = [(groups[i], groups[i + 1]) for i in range(0, len(groups) - 1, 2)]
-            ports = _wait(ray, actors, {left[0]: left[0].mpi_open_port.remote() for left, _ in pairs}, deadline, timeout_s)
-            joins = {}
-            for (left, right), port in zip(pairs, ports):
-                joins.update({m: m.mpi_join.remote(port, True) for m in left})
-                joins.update({m: m.mpi_join.remote(port, False) for m in right})
-            _wait(ray, actors, joins, deadline, timeout_s)
-            merged = [left + right for left, right in pairs]
-            groups = merged + ([groups[-1]] if len(groups) % 2 else [])
-        return _wait(ray, actors, {a: a.mpi_finish.remote(len(actors), bucket_bytes, compression) for a in actors}, deadline, timeout_s)
-    except BaseException:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        raise
-
-
-def _wait(ray: Any, actors: Sequence[Any], calls: dict[Any, Any], deadline: float, timeout_s: float) -> list[Any]:
-    """Results of ``calls`` (actor -> object ref), failing fast on the first error and at the deadline."""
-    rank_of = {ref: actors.index(actor) for actor, ref in calls.items()}
-    pending = list(rank_of)
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            blocked = sorted(rank_of[r] for r in pending)
-            raise FormationError(
-                f"MPI communicator of {len(actors)} actors not formed within timeout_s={timeout_s:g} s: "
-                f"rank(s) {blocked} still blocked (a member is hung or unreachable); every member was killed"
-            )
-        done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception as exc:  # an actor died or raised: no point waiting for the others
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise FormationError(
-                    f"MPI communicator of {len(actors)} actors failed at rank {rank_of[ref]}: "
-                    f"{type(exc).__name__}: {first}; every member was killed"
-                ) from None
-    return ray.get(list(rank_of))

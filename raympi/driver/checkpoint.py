@@ -16,9 +16,10 @@ import io
 import json
 import os
 import posixpath
+import queue
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ class CheckpointStore:
         self._path = self.root if _is_local(root) else self.fs._strip_protocol(root)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority)
         self._pending: list[concurrent.futures.Future] = []
+        self._saved: queue.SimpleQueue = queue.SimpleQueue()
         try:
             self.fs.makedirs(self._path, exist_ok=True)
             probe = posixpath.join(self._path, f".write-test-{os.getpid()}")
@@ -62,25 +64,33 @@ class CheckpointStore:
         """Path of a file next to the checkpoints (metrics, plot)."""
         return posixpath.join(self._path, name)
 
-    def save_async(self, state: Any, manifest: dict[str, Any], on_saved: Callable[[str, int, dict], None] | None = None) -> concurrent.futures.Future:
+    def save_async(self, state: Any, manifest: dict[str, Any]) -> concurrent.futures.Future:
         """Write in the background; ``state`` may be a Ray object ref (fetched by the writer).
 
-        ``on_saved(path, step, state)`` runs in the writer thread once the checkpoint is on disk.
+        Once the checkpoint is on disk, ``(path, step, state)`` is queued for :meth:`drain_saved`.
         """
-        future = self._writer.submit(self._save_ref, state, manifest, on_saved)
+        future = self._writer.submit(self._save_ref, state, manifest)
         self._pending.append(future)
         return future
 
-    def _save_ref(self, state: Any, manifest: dict[str, Any], on_saved: Callable[[str, int, dict], None] | None) -> str:
+    def drain_saved(self) -> list[tuple[str, int, dict[str, Any]]]:
+        """The checkpoints written since the last call, oldest first: ``(path, step, state)``."""
+        out = []
+        while True:
+            try:
+                out.append(self._saved.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _save_ref(self, state: Any, manifest: dict[str, Any]) -> str:
         if not isinstance(state, dict):
             import ray
 
-            from raympi import _tree
+            from raympi.core import pytree
 
-            state = _tree.from_arrays(ray.get(state))  # zero-copy views of the object store's copy
+            state = pytree.from_arrays(ray.get(state))  # zero-copy views of the object store's copy
         path = self.save(state, manifest)
-        if on_saved is not None:
-            on_saved(path, int(manifest["step"]), state)
+        self._saved.put((path, int(manifest["step"]), state))  # handed to the driver's thread, never shared
         return path
 
     def wait(self, strict: bool = True) -> None:
@@ -193,7 +203,7 @@ def load_checkpoint(path: str) -> Any:
         >>> state = raympi.load_checkpoint("runs/mnist/step-00000900")  # doctest: +SKIP
         >>> model.load_state_dict({**state.params, **state.buffers})  # doctest: +SKIP
     """
-    from raympi._state import TrainState
+    from raympi.core.state import TrainState
 
     store = CheckpointStore(path) if not posixpath.basename(path.rstrip("/")).startswith("step-") else None
     if store is not None:

@@ -21,7 +21,7 @@ from raympi.exceptions import ConfigError
 # each rank reads its own shard in an order seeded by (seed, epoch, rank), so with Ray Data the
 # data order, unlike the global-batch arithmetic, depends on the world size.
 
-__all__ = ["Sampler", "as_tensors", "columns_of", "epoch_order", "rank_slices", "steps_per_epoch", "to_tensors"]
+__all__ = ["Sampler", "as_tensors", "columns_of", "epoch_order", "rank_slices", "steps_per_epoch"]
 
 
 def as_tensors(dataset: Any, name: str = "dataset") -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,12 +87,6 @@ def columns_of(dataset: Any, columns: tuple[str, str] | None) -> tuple[str, str]
     if missing:
         raise ConfigError(f"columns={tuple(columns)}: {missing} not among the dataset's columns {names}")
     return columns[0], columns[1]
-
-
-def to_tensors(dataset: Any, columns: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Materialize a (shard of a) ``ray.data.Dataset`` as an (inputs, targets) pair of tensors."""
-    batch = dataset.take_batch(batch_size=max(1, dataset.count()), batch_format="numpy")
-    return tuple(torch.from_numpy(np.array(batch[c])) for c in columns)  # type: ignore[return-value]  # a writable copy
 
 
 class Sampler:

@@ -27,51 +27,17 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from raympi._state import TrainState
+from raympi.core.batch import Batch, _split_batch, correct_predictions
+from raympi.core.optim import GradientTransformation, apply_gradients
+from raympi.core.rng import _seed_generators, _step_seed
+from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
-from raympi.optim import GradientTransformation, apply_gradients
 
 __all__ = ["make_train_step", "make_eval_step"]
 
-Batch = Any  # (inputs, targets) or {"inputs": ..., "targets": ...}
 Metrics = dict[str, Any]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 GradSync = Callable[[Any], Any]
-
-_BATCH_HELP = (
-    "a batch must be a pair (inputs, targets) or a dict {'inputs': ..., 'targets': ...}; "
-    "inputs is a tensor (model(inputs)), a tuple (model(*inputs)) or a dict "
-    "(model(**inputs)); targets is a tensor whose first dimension is the batch"
-)
-
-
-def _split_batch(batch: Batch) -> tuple[tuple, dict, torch.Tensor, int]:
-    """``batch`` -> (positional args, keyword args, targets, local sample count)."""
-    if isinstance(batch, dict):
-        if set(batch) != {"inputs", "targets"}:
-            raise TrainingError(f"batch dict has keys {sorted(batch)}: {_BATCH_HELP}")
-        inputs, targets = batch["inputs"], batch["targets"]
-    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
-        inputs, targets = batch
-    else:
-        raise TrainingError(f"got a batch of type {type(batch).__name__}: {_BATCH_HELP}")
-    if not isinstance(targets, torch.Tensor) or targets.ndim == 0:
-        raise TrainingError(f"targets is {type(targets).__name__} of no batch dimension: {_BATCH_HELP}")
-    n = targets.shape[0]
-    if n == 0:
-        raise TrainingError("empty batch (0 samples): every rank needs at least one sample")
-    if isinstance(inputs, torch.Tensor):
-        if inputs.ndim == 0 or inputs.shape[0] != n:
-            raise TrainingError(
-                f"inputs of shape {tuple(inputs.shape)} and targets of shape "
-                f"{tuple(targets.shape)} disagree on the batch size: {_BATCH_HELP}"
-            )
-        return (inputs,), {}, targets, n
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}, targets, n
-    if isinstance(inputs, dict):
-        return (), dict(inputs), targets, n
-    raise TrainingError(f"inputs is a {type(inputs).__name__}: {_BATCH_HELP}")
 
 
 def _check_loss(loss: Any) -> None:
@@ -82,43 +48,6 @@ def _check_loss(loss: Any) -> None:
             f"over the samples it is given; it returned {got}. Use reduction='mean' "
             f"(the default of torch.nn.functional losses) or end it with .mean()."
         )
-
-
-def _correct(outputs: Any, targets: torch.Tensor) -> Optional[torch.Tensor]:
-    """Correct predictions when this looks like classification, else ``None``.
-
-    Classification: integer class ids as targets and outputs of shape
-    ``(N, C, ...)`` for targets ``(N, ...)``, the layout of ``F.cross_entropy``.
-    """
-    if (
-        isinstance(outputs, torch.Tensor)
-        and not targets.is_floating_point()
-        and not targets.is_complex()
-        and targets.dtype != torch.bool
-        and outputs.ndim == targets.ndim + 1
-    ):
-        return (outputs.argmax(1) == targets).sum()
-    return None
-
-
-def _step_seed(seed: int, step: int, rank: int) -> int:
-    """A well-spread 64-bit seed for one (run seed, step, rank)."""
-    # splitmix64 finaliser: neighbouring steps and ranks get unrelated streams.
-    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB + 1) % 2**64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
-    return x ^ (x >> 31)
-
-
-def _seed_generators(seed: int, cuda: list[int]) -> None:
-    """Seed the CPU generator and those of the CUDA devices in use.
-
-    Not ``torch.manual_seed``: that also queues seeds for every uninitialised
-    accelerator backend, recording a stack trace each time (0.5 ms a step).
-    """
-    torch.default_generator.manual_seed(seed)
-    for index in cuda:
-        torch.cuda.default_generators[index].manual_seed(seed)
 
 
 def _trainable(model: nn.Module) -> list[str]:
@@ -214,7 +143,7 @@ def make_train_step(
         loss = loss_fn(outputs, targets)
         _check_loss(loss)
         aux = {"loss": loss.detach()}
-        correct = _correct(outputs, targets)
+        correct = correct_predictions(outputs, targets)
         if correct is not None:
             aux["correct"] = correct
         # Differentiate the share of the global mean; report the local mean.

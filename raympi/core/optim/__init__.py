@@ -1,0 +1,78 @@
+"""Optimizers as pure ``(init, update)`` pairs, in the manner of optax.
+
+This is the update half of the functional core: ``train_step`` computes a
+gradient tree and hands it to the optimizer, which returns new parameters
+and a new optimizer state.  Nothing here touches Ray or MPI, and nothing
+mutates its inputs unless told it may (``donate``): functions return new
+tensors, so a ``TrainState`` can be reused, compared or checkpointed at any
+point.
+
+* An optimizer is a :class:`GradientTransformation`: ``init(params)`` returns
+  the optimizer state; ``update(grads, state, params)`` returns
+  ``(updates, new_state)``; updates are *added* to the parameters with
+  :func:`apply_updates`, so a descent step carries the minus sign.
+* :func:`apply_gradients` does update and apply in one go.  Where an
+  optimizer has a ``fused_apply`` (``sgd``, ``adam``, ``adamw``,
+  ``from_torch``, and a ``chain`` ending in one) it computes the new
+  parameters straight away: two fewer passes over memory, and the very
+  arithmetic of its ``torch.optim`` twin.  ``train_step`` uses it.
+* ``donate=True`` (as JAX's buffer donation) lets ``apply_gradients`` write
+  the new parameters and optimizer state into the old ones' memory, for a
+  caller that drops the old state anyway: no second copy of the parameters
+  and optimizer state, and no fresh allocations (which on the CPU cost page
+  faults every step).  The default never mutates anything.
+* Optimizer states are plain ``dict`` / ``tuple`` trees of tensors (no custom
+  classes), so they go through ``torch.save`` / ``torch.load(weights_only=True)``
+  and ``torch.utils._pytree`` unchanged.  Step counters are 0-d int64 tensors
+  kept on the CPU: reading them for a schedule never waits on an accelerator.
+* The arithmetic runs on whole lists of tensors with torch's multi-tensor
+  ``torch._foreach_*`` kernels, as ``torch.optim`` does with ``foreach=True``.
+* A learning rate is a float or a *schedule*: a callable ``count -> lr``
+  (:func:`constant`, :func:`cosine_decay`, :func:`linear_warmup`); step ``k``
+  (from 0) uses ``lr(k)``.
+* :func:`from_torch` wraps any ``torch.optim.Optimizer`` class for the cases
+  the native optimizers do not cover.
+
+Layout, as optax's ``_src``: :mod:`~raympi.core.optim.base` (the interface,
+:func:`apply_gradients`, :func:`chain`), :mod:`~raympi.core.optim.transform`
+(building blocks such as :func:`clip_by_global_norm`),
+:mod:`~raympi.core.optim.alias` (the optimizers) and
+:mod:`~raympi.core.optim.schedule` (learning-rate schedules).
+
+Example:
+    >>> import torch
+    >>> from raympi.core import optim
+    >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+    >>> params = {"w": torch.ones(3)}
+    >>> state = opt.init(params)
+    >>> params, state = optim.apply_gradients(opt, {"w": torch.ones(3)}, state, params)
+"""
+
+from raympi.core.optim.alias import adam, adamw, from_torch, sgd
+from raympi.core.optim.base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    Schedule,
+    apply_gradients,
+    apply_updates,
+    chain,
+)
+from raympi.core.optim.schedule import constant, cosine_decay, linear_warmup
+from raympi.core.optim.transform import clip_by_global_norm
+
+__all__ = [
+    "GradientTransformation",
+    "Schedule",
+    "ScalarOrSchedule",
+    "apply_updates",
+    "apply_gradients",
+    "chain",
+    "sgd",
+    "adam",
+    "adamw",
+    "clip_by_global_norm",
+    "from_torch",
+    "constant",
+    "cosine_decay",
+    "linear_warmup",
+]

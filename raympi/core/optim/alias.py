@@ -1,0 +1,244 @@
+"""The optimizers: :func:`sgd`, :func:`adam`, :func:`adamw` and the :func:`from_torch` bridge.
+
+Whole optimizers ready to pass to ``make_train_step`` (as optax's
+``_src/alias.py``), each a :class:`~raympi.core.optim.GradientTransformation`
+defined by its ``fused_apply``, which computes the new parameters straight
+away with the arithmetic of its ``torch.optim`` twin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raympi.core import pytree
+from raympi.core.optim.base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    _check_nonneg,
+    _from_fused,
+    _lr_at,
+    _new_count,
+    _scale,
+)
+
+__all__ = ["sgd", "adam", "adamw", "from_torch"]
+
+# Each mirrors its torch.optim twin (foreach implementation) operation for
+# operation: the roundings of a step compound over a long run (AdamW's
+# ``1 - lr * wd``, rounded to float32, shrinks every weight every step), so
+# "the same formula" is not enough to stay together for hundreds of steps.
+
+
+def sgd(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Stochastic gradient descent, matching ``torch.optim.SGD`` (dampening 0).
+
+    State: ``{"count"}``, plus ``{"trace"}`` (the momentum buffers) with momentum.
+
+    Args:
+        lr: learning rate, a float or a schedule.
+        momentum: momentum factor (0: plain SGD).
+        nesterov: Nesterov momentum.
+        weight_decay: L2 penalty added to the gradient.
+
+    Returns:
+        A :class:`GradientTransformation` with a ``fused_apply``.
+
+    Example:
+        >>> opt = sgd(0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    """
+    _check_nonneg("lr", lr)
+    _check_nonneg("momentum", momentum)
+    _check_nonneg("weight_decay", weight_decay)
+    if nesterov and momentum == 0:
+        raise ValueError("nesterov=True needs momentum > 0")
+
+    def init(params):
+        state = {"count": _new_count()}
+        if momentum:
+            # Zeros make the first step buf = g, exactly torch's lazily made buffer.
+            state["trace"] = pytree.map(torch.zeros_like, params)
+        return state
+
+    def fused_apply(grads, state, params, donate=False):
+        g, spec = pytree.flatten(grads)
+        p = pytree.leaves(params)
+        value = _lr_at(lr, state["count"])
+        new_state = {"count": state["count"] + 1}
+        if weight_decay:
+            g = torch._foreach_add(g, p, alpha=weight_decay)
+        if momentum:
+            buf = _scale(pytree.leaves(state["trace"]), momentum, donate)
+            torch._foreach_add_(buf, g)  # buf is fresh or donated: in place is safe
+            new_state["trace"] = pytree.unflatten(buf, spec)
+            g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+        if donate:
+            torch._foreach_add_(p, g, alpha=-value)
+            return params, new_state
+        return pytree.unflatten(list(torch._foreach_add(p, g, alpha=-value)), spec), new_state
+
+    return _from_fused(init, fused_apply)
+
+
+def _adam(
+    lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float, decoupled: bool
+) -> GradientTransformation:
+    """Adam (L2 weight decay) or AdamW (decoupled), as ``torch.optim.Adam``. State ``{"count", "mu", "nu"}``."""
+    b1, b2 = betas
+    _check_nonneg("lr", lr)
+    _check_nonneg("weight_decay", weight_decay)
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ValueError(f"betas must lie in [0, 1), got {betas}")
+
+    def init(params):
+        return {
+            "count": _new_count(),
+            "mu": pytree.map(torch.zeros_like, params),
+            "nu": pytree.map(torch.zeros_like, params),
+        }
+
+    def fused_apply(grads, state, params, donate=False):
+        g, spec = pytree.flatten(grads)
+        p = pytree.leaves(params)
+        value = _lr_at(lr, state["count"])
+        count = state["count"] + 1
+        t = int(count)
+        if weight_decay and not decoupled:
+            g = torch._foreach_add(g, p, alpha=weight_decay)
+        mu, nu = pytree.leaves(state["mu"]), pytree.leaves(state["nu"])
+        if donate:
+            torch._foreach_lerp_(mu, g, 1 - b1)
+        else:
+            mu = list(torch._foreach_lerp(mu, g, 1 - b1))
+        nu = _scale(nu, b2, donate)
+        torch._foreach_addcmul_(nu, g, g, value=1 - b2)  # nu is fresh or donated
+        # Bias corrections as Python floats, as torch does when not capturable.
+        bc1, bc2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
+        denom = torch._foreach_sqrt(nu)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, eps)
+        if weight_decay and decoupled:
+            new = _scale(p, 1 - value * weight_decay, donate)
+            torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
+        elif donate:
+            new = p
+            torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
+        else:
+            new = list(torch._foreach_addcdiv(p, mu, denom, value=-value / bc1))
+        new_state = {"count": count, "mu": pytree.unflatten(mu, spec), "nu": pytree.unflatten(nu, spec)}
+        return pytree.unflatten(new, spec), new_state
+
+    return _from_fused(init, fused_apply)
+
+
+def adam(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Adam, matching ``torch.optim.Adam`` (``weight_decay`` is L2 on the gradient).
+
+    State: ``{"count", "mu", "nu"}``.
+
+    Args:
+        lr: learning rate, a float or a schedule.
+        betas: decay rates of the first and second moments.
+        eps: added to the denominator for stability.
+        weight_decay: L2 penalty added to the gradient.
+
+    Returns:
+        A :class:`GradientTransformation` with a ``fused_apply``.
+
+    Example:
+        >>> opt = adam(3e-4, betas=(0.9, 0.95))
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> GradientTransformation:
+    """AdamW, matching ``torch.optim.AdamW``: decoupled decay ``p *= 1 - lr * wd``.
+
+    Arguments, state and return value as :func:`adam`, except that
+    ``weight_decay`` (torch's default 1e-2) shrinks the parameters directly
+    instead of being added to the gradient.
+
+    Example:
+        >>> opt = adamw(1e-3, weight_decay=0.05)
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=True)
+
+
+# --------------------------------------------------------------------------- torch.optim bridge
+
+
+def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> GradientTransformation:
+    """Wrap a ``torch.optim.Optimizer`` class as a pure :class:`GradientTransformation`.
+
+    For optimizers raympi does not provide (RMSprop, Adagrad, your own).  Each
+    step builds a throwaway optimizer over *copies* of the parameters, loads
+    the state, sets ``.grad``, calls ``step()`` and returns the copies (or
+    ``updates = new - old`` from ``update``) with the optimizer's new
+    per-parameter state.  That keeps the surface pure at the price of copies
+    and Python work per step: expect it to be slower than the native
+    optimizers.  State: ``{"count", "state": {name: {...}}}``, where the
+    per-parameter dicts are what the optimizer keeps in ``optimizer.state``
+    (empty until the first update, because torch creates them lazily).  An
+    ``lr`` keyword may be a schedule.  Parameters must be a flat dict; one
+    parameter group; no closures (so not LBFGS).
+
+    Args:
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass.
+        **kwargs: its constructor arguments, e.g. ``lr=0.01, alpha=0.9``.
+
+    Returns:
+        A :class:`GradientTransformation` with a ``fused_apply``.
+
+    Example:
+        >>> opt = from_torch(torch.optim.RMSprop, lr=1e-3, alpha=0.9)
+    """
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"from_torch needs a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+    lr = kwargs.get("lr")
+
+    def init(params):
+        if not isinstance(params, dict):
+            raise TypeError("from_torch needs params as a flat dict name -> tensor")
+        return {"count": _new_count(), "state": {}}
+
+    def fused_apply(grads, state, params, donate=False):
+        # Always works on copies: donation would save little next to the rest.
+        names = list(params)
+        copies = [params[n].detach().clone() for n in names]
+        ctor = dict(kwargs)
+        if callable(lr):
+            ctor["lr"] = _lr_at(lr, state["count"])
+        opt = optimizer_cls(copies, **ctor)
+        if state["state"]:
+            sd = opt.state_dict()
+            # Clone: load_state_dict keeps tensors that already match, and step()
+            # would then write into the caller's state.
+            sd["state"] = {
+                i: pytree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state["state"][n])
+                for i, n in enumerate(names)
+                if n in state["state"]
+            }
+            opt.load_state_dict(sd)
+        for p, n in zip(copies, names):
+            p.grad = grads[n].detach().clone()  # a copy: some optimizers write into .grad
+        opt.step()
+        new_state = {n: dict(opt.state[p]) for p, n in zip(copies, names) if opt.state[p]}
+        return dict(zip(names, copies)), {"count": state["count"] + 1, "state": new_state}
+
+    return _from_fused(init, fused_apply)

@@ -1,0 +1,188 @@
+"""The optimizer interface: :class:`GradientTransformation` and the functions that run one.
+
+The base of ``raympi.core.optim`` (as optax's ``_src/base.py``): the
+``(init, update, fused_apply)`` triple, the type aliases, :func:`apply_updates`,
+:func:`apply_gradients` and :func:`chain`, plus the private helpers that the
+optimizers of :mod:`~raympi.core.optim.alias` are built from.  Torch alone,
+no Ray or MPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+
+from raympi.core import pytree
+
+__all__ = [
+    "GradientTransformation",
+    "Schedule",
+    "ScalarOrSchedule",
+    "apply_updates",
+    "apply_gradients",
+    "chain",
+]
+
+Params = Any  # a tree of tensors (raympi uses a flat dict name -> tensor)
+Updates = Any  # a tree of the same structure as the parameters
+OptState = Any  # a tree of dicts / tuples / tensors
+Schedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, Schedule]
+FusedApply = Callable[[Updates, OptState, Params, bool], tuple[Params, OptState]]
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer.
+
+    Attributes:
+        init: ``init(params) -> state``.
+        update: ``update(grads, state, params=None) -> (updates, new_state)``.
+        fused_apply: optional ``(grads, state, params, donate) -> (new_params,
+            new_state)``, equal to ``update`` followed by :func:`apply_updates`
+            up to rounding, but computed straight into the new parameters; with
+            ``donate`` it may overwrite ``params`` and ``state`` (never
+            ``grads``).  Use it through :func:`apply_gradients`.
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+    fused_apply: Optional[FusedApply] = None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _new_count() -> torch.Tensor:
+    # On the CPU on purpose: schedules and bias corrections read it as a Python
+    # number every step, which must not synchronise with a GPU.
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _lr_at(lr: ScalarOrSchedule, count: torch.Tensor) -> float:
+    return float(lr(int(count))) if callable(lr) else float(lr)
+
+
+def _scale(xs: list[torch.Tensor], factor: float, donate: bool) -> list[torch.Tensor]:
+    """``xs * factor``, in place when the caller donated ``xs``."""
+    if donate:
+        torch._foreach_mul_(xs, factor)
+        return xs
+    return list(torch._foreach_mul(xs, factor))
+
+
+def _check_nonneg(name: str, value: Any) -> None:
+    if not callable(value) and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _from_fused(init: Callable[[Params], OptState], fused: FusedApply) -> GradientTransformation:
+    """A transformation defined by its fused form; ``update`` returns ``new - params``."""
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("this optimizer needs params: call update(grads, state, params)")
+        new, state = fused(grads, state, params, False)
+        p, spec = pytree.flatten(params)
+        return pytree.unflatten(list(torch._foreach_sub(pytree.leaves(new), p)), spec), state
+
+    return GradientTransformation(init, update, fused)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Add ``updates`` to ``params`` leaf-wise and return new tensors.
+
+    Args:
+        params: the parameter tree.
+        updates: a tree of the same structure, from ``optimizer.update``.
+
+    Returns:
+        A new parameter tree; ``params`` is left untouched.
+
+    Example:
+        >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    p, spec = pytree.flatten(params)
+    return pytree.unflatten(list(torch._foreach_add(p, pytree.leaves(updates))), spec)
+
+
+def apply_gradients(
+    optimizer: GradientTransformation,
+    grads: Updates,
+    state: OptState,
+    params: Params,
+    *,
+    donate: bool = False,
+) -> tuple[Params, OptState]:
+    """One optimizer step: new parameters and new optimizer state.
+
+    Uses ``optimizer.fused_apply`` when there is one, else ``update`` then
+    :func:`apply_updates`.
+
+    Args:
+        optimizer: the :class:`GradientTransformation`.
+        grads: the gradient tree, shaped like ``params``.
+        state: the optimizer state, from ``init`` or a previous step.
+        params: the current parameters.
+        donate: allow writing the results into the memory of ``params`` and
+            ``state``, which the caller must then no longer use.
+
+    Returns:
+        ``(new_params, new_state)``; without ``donate`` the inputs are left untouched.
+
+    Example:
+        >>> from raympi.core import optim
+        >>> opt = optim.sgd(0.1)
+        >>> p = {"w": torch.ones(2)}
+        >>> apply_gradients(opt, {"w": torch.ones(2)}, opt.init(p), p)[0]
+        {'w': tensor([0.9000, 0.9000])}
+    """
+    if optimizer.fused_apply is not None:
+        return optimizer.fused_apply(grads, state, params, donate)
+    updates, state = optimizer.update(grads, state, params)
+    if donate:
+        p = pytree.leaves(params)
+        torch._foreach_add_(p, pytree.leaves(updates))
+        return params, state
+    return apply_updates(params, updates), state
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` one after another; the state is a tuple of theirs.
+
+    The chain's ``fused_apply`` runs the last transformation fused, so
+    ``chain(clip_by_global_norm(1.0), adam(1e-3))`` keeps Adam's fast path.
+
+    Args:
+        *transforms: gradient transformations, applied left to right.
+
+    Returns:
+        One :class:`GradientTransformation`.
+
+    Example:
+        >>> from raympi.core import optim
+        >>> opt = chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9))
+    """
+    if not transforms:
+        raise ValueError("chain needs at least one transformation")
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(grads, state, params=None):
+        new_state = []
+        for t, s in zip(transforms, state):
+            grads, s = t.update(grads, s, params)
+            new_state.append(s)
+        return grads, tuple(new_state)
+
+    def fused_apply(grads, state, params, donate=False):
+        new_state = []
+        for t, s in zip(transforms[:-1], state):
+            grads, s = t.update(grads, s, params)
+            new_state.append(s)
+        new_params, s = apply_gradients(transforms[-1], grads, state[-1], params, donate=donate)
+        return new_params, tuple(new_state + [s])
+
+    return GradientTransformation(init, update, fused_apply)

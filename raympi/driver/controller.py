@@ -1,0 +1,224 @@
+"""The controller: one ``fit()`` run as a small state machine.
+
+Phases: STARTING (a group is placed and joined) -> RUNNING (the :class:`~raympi.driver.pipeline.Pipeline`
+runs chunks) -> DONE; or, when the pipeline returns a :class:`~raympi.driver.policy.Failure`,
+RECOVERING: the pure :func:`~raympi.driver.policy.decide` picks Warm, Cold, Grow or Raise and
+:mod:`raympi.driver.recovery` carries it out, then RUNNING again (or FAILED).  The controller owns
+the one :class:`~raympi.driver.run_state.RunState` and replaces it at each transition; it decides
+nothing itself, it only routes between the pipeline, the policy and the recovery actions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from raympi.driver import recovery
+from raympi.driver.checkpoint import CheckpointStore
+from raympi.driver.group import WorkerGroup, cluster_capacity, worker_bundle
+from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
+from raympi.driver.policy import Capacity, Cold, Failed, Failure, FailureKind, Grow, Raise, Warm, decide
+from raympi.driver.report import Progress, write_jsonl, write_plot
+from raympi.driver.run_state import Checkpoint, Phase, RunState
+from raympi.exceptions import FormationError
+from raympi.worker import WorkerSpec
+
+__all__ = ["Controller"]
+
+log = logging.getLogger("raympi")
+
+
+class Controller:
+    """Runs one ``fit()`` to the end: see the module docstring.
+
+    Args:
+        cfg: the options.
+        spec: what every worker is built from.
+        pipeline: the chunk pipeline (its plan says how many steps in all).
+        store: where checkpoints go.
+        run: the starting state (a resumed run's history and checkpoint, or empty).
+        ray_dataset: a ``ray.data.Dataset`` and its columns (split per group), else ``None``.
+    """
+
+    def __init__(self, cfg: Any, spec: WorkerSpec, pipeline: Pipeline, store: CheckpointStore, run: RunState,
+                 ray_dataset: Any = None) -> None:
+        self.cfg, self.spec, self.pipeline, self.store, self.run = cfg, spec, pipeline, store, run
+        self.plan: ChunkPlan = pipeline.plan
+        self.ray_dataset = ray_dataset
+        self.group: WorkerGroup | None = None
+        self.sigterm = False
+        self._recovered_at: float | None = None  # when the newest restart record's failure was noticed
+
+    # -- the state machine ------------------------------------------------------------------------
+
+    def fit(self) -> RunState:
+        """Train to the end; returns the final run state (its ``newest`` checkpoint holds the final state)."""
+        self.progress = Progress(self.plan.total, self.cfg.progress)
+        previous = _on_sigterm(self._on_sigterm)
+        try:
+            failure: Failure | None = None
+            while True:
+                if failure is None and self.group is None:
+                    failure = self._start()
+                if failure is None:
+                    self._enter(Phase.RUNNING)
+                    failure = self.pipeline.run(self.group, self.run.step, self, self._stop_requested)
+                if failure is None:
+                    return self._finish()
+                self._enter(Phase.RECOVERING)
+                failure = self._recover(failure)
+        except BaseException:
+            self._enter(Phase.FAILED)
+            raise
+        finally:
+            _on_sigterm(previous)
+            self.progress.close()
+            if self.group is not None:
+                self.group.shutdown()
+                self.group = None
+
+    def _enter(self, phase: Phase) -> None:
+        if self.run.phase is not phase:
+            log.info("raympi: %s -> %s at step %d", self.run.phase.value, phase.value, self.run.step)
+            self.run = dataclasses.replace(self.run, phase=phase)
+
+    def _start(self) -> Failure | None:
+        """STARTING: place and join a full group from the newest checkpoint (or the model)."""
+        self._enter(Phase.STARTING)
+        try:
+            self.group = self._new_group(self.cfg.workers, self.run.newest and self.run.newest.state)
+        except Failed as failed:
+            return dataclasses.replace(failed.failure, phase=Phase.STARTING.value)
+        except FormationError as error:
+            return Failure(FailureKind.FORMATION, str(error).splitlines()[0], phase=Phase.STARTING.value)
+        return None
+
+    def _new_group(self, world: int, state: Any, place_timeout_s: float | None = None) -> WorkerGroup:
+        return WorkerGroup(self.cfg, world, self.spec, state, self.ray_dataset, place_timeout_s=place_timeout_s)
+
+    def _recover(self, failure: Failure) -> Failure | None:
+        """RECOVERING: ask the policy, carry its decision out; returns a follow-up failure, if any."""
+        detected = time.monotonic()
+        planned = failure.kind in (FailureKind.PREEMPTED, FailureKind.CAPACITY_BACK, FailureKind.DRIVER_SIGTERM)
+        self._collect(wait=planned)  # a planned stop's checkpoint must be on disk (and known) first
+        capacity = Capacity(world=self.group.world if self.group else 0, cluster=cluster_capacity(self._bundle()))
+        decision = decide(failure, self.run, self.cfg, capacity)
+        log.info("raympi: %s -> %s", failure.kind.value, type(decision).__name__)
+        if isinstance(decision, Raise):
+            self._drop_group()
+            self.store.wait(strict=False)
+            raise decision.error
+        if isinstance(decision, Grow):
+            try:
+                self.run = recovery.grow(self.group, self.run, self.cfg)
+            except Exception as error:  # a failed expansion is a failure like any other
+                return Failure(FailureKind.WORKER_LOST, f"taking in a replacement at step {self.run.step} failed: "
+                               f"{type(error).__name__}: {error}", phase=Phase.RECOVERING.value)
+            return None
+        skipped = None
+        if isinstance(decision, Warm):
+            try:
+                self.run = recovery.warm(self.group, decision, failure, self.run, self.cfg, self.plan.steps_per_epoch)
+                self._recovered_at = detected
+                return None
+            except recovery.WarmSkipped as why:
+                skipped = str(why)
+        assert isinstance(decision, Cold)
+        world_before = self.group.world if self.group else 0
+        self._drop_group()
+        self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done
+        self._collect()
+        self.group, self.run = recovery.cold(self._new_group, self._bundle(), failure, self.run, self.cfg, world_before, skipped)
+        self._recovered_at = detected
+        return None
+
+    def _finish(self) -> RunState:
+        self.store.wait()
+        self._collect()
+        self._write_reports()
+        self._enter(Phase.DONE)
+        return self.run
+
+    # -- hooks the pipeline calls -----------------------------------------------------------------
+
+    def completed(self, chunk: Chunk, records: list[dict[str, Any]]) -> Failure | None:
+        """Steps done: record them, report progress; a ready replacement asks to drain and grow."""
+        restarts = self.run.restarts
+        if self._recovered_at is not None and restarts:
+            # failure noticed -> first step completed after it
+            restarts = (*restarts[:-1], {**restarts[-1], "recovery_s": time.monotonic() - self._recovered_at})
+            self._recovered_at = None
+        self.run = dataclasses.replace(self.run, history=(*self.run.history, *records), restarts=restarts)
+        self._collect()
+        self.progress.update(chunk.last, records[-1], force=chunk.eval is not None or chunk.last == self.plan.total)
+        if self.group.pending_ready() and chunk.last < self.plan.total:
+            return Failure(FailureKind.REPLACEMENT_READY, "replacement ready", phase=Phase.DRAINING.value)
+        return None
+
+    def save(self, state_ref: Any, step: int) -> Failure | None:
+        """Write rank 0's state as a checkpoint in the background; room for more workers asks to drain and regroup."""
+        epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
+        manifest = {
+            "step": step, "epoch": epoch, "cursor": {"epoch": epoch, "step_in_epoch": in_epoch},
+            "world_size": self.group.world, "metrics": self.run.history[-1] if self.run.history else {},
+            "config": _plain_config(self.cfg), "history": list(self.run.history), "restarts": list(self.run.restarts),
+            "saved_at": time.time(),
+        }
+        self.store.save_async(state_ref, manifest)
+        self._write_reports(plot=False)
+        group = self.group
+        if (step < self.plan.total and group.world < self.cfg.workers and not group.pending
+                and cluster_capacity(self._bundle()) > group.world):
+            return Failure(FailureKind.CAPACITY_BACK, "capacity returned", phase=Phase.DRAINING.value)
+        return None
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _stop_requested(self) -> Failure | None:
+        if self.sigterm:
+            return Failure(FailureKind.DRIVER_SIGTERM, f"stopped by SIGTERM after step {self.run.step}", phase=Phase.DRAINING.value)
+        return None
+
+    def _on_sigterm(self, *_: Any) -> None:
+        self.sigterm = True
+
+    def _collect(self, wait: bool = False) -> None:
+        """Take in the checkpoints the writer thread finished (it hands them over through a queue)."""
+        if wait:
+            self.store.wait()
+        for path, step, state in self.store.drain_saved():
+            if self.run.newest is None or step >= self.run.newest.step:
+                self.run = dataclasses.replace(self.run, newest=Checkpoint(step, path, state))
+
+    def _bundle(self) -> dict[str, float]:
+        return worker_bundle(self.cfg, self.spec.device == "cuda")
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+    def _write_reports(self, plot: bool = True) -> None:
+        write_jsonl(list(self.run.history), self.store.file("metrics.jsonl"), self.store.fs)
+        if plot:
+            write_plot(list(self.run.history), self.store.file("metrics.png"), self.store.fs)
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install a SIGTERM handler when we may (main thread); return the previous one."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _plain_config(cfg: Any) -> dict[str, Any]:
+    out = {}
+    for name in type(cfg).model_fields:
+        value = getattr(cfg, name)
+        out[name] = value if isinstance(value, (int, float, str, bool, type(None), dict)) else repr(value)
+    out["mpi"] = cfg.mpi.model_dump()
+    return out

@@ -1,0 +1,174 @@
+"""``raympi.fit``: the driver's entry point.
+
+Validates the options and the dataset before any actor starts, connects to Ray, ships the data
+once through the object store, and hands the run to the :class:`~raympi.driver.controller.Controller`
+(which owns the data cursor, checkpoints and restarts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any
+
+import ray
+import torch
+import torch.nn.functional as F
+
+from raympi.comm import library
+from raympi.core import optim, pytree
+from raympi.core.state import TrainState
+from raympi.core.step import make_train_step
+from raympi.driver import data
+from raympi.driver.checkpoint import CheckpointStore
+from raympi.driver.config import FitConfig, parse_config
+from raympi.driver.controller import Controller
+from raympi.driver.pipeline import ChunkPlan, Pipeline
+from raympi.driver.run_state import Checkpoint, RunState
+from raympi.exceptions import ConfigError, MPIUnavailableError, TrainingError
+from raympi.worker import WorkerSpec, to_tensors
+
+__all__ = ["fit", "Result"]
+
+
+@dataclasses.dataclass
+class Result:
+    """What :func:`fit` returns.
+
+    Attributes:
+        state: the final :class:`~raympi.TrainState` (CPU tensors).
+        model: the user's module with the trained weights loaded.
+        metrics: one record per step (step, epoch, loss, accuracy, samples_per_s,
+            world_size, time) plus eval metrics where they were taken.
+        checkpoint: the folder of the last checkpoint written.
+        restarts: one record per recovery or planned re-formation (empty when none happened): time,
+            step, ranks, nodes, cause, kind, phase, path (warm/cold), world size before/after, steps
+            lost, restored step, recovery_s.
+    """
+
+    state: TrainState
+    model: torch.nn.Module
+    metrics: list[dict[str, Any]]
+    checkpoint: str | None
+    restarts: list[dict[str, Any]]
+
+
+def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) -> Result:
+    """Train ``model`` on ``dataset`` data-parallel over ``workers`` Ray actors joined by MPI.
+
+    Args:
+        model: the ``nn.Module`` to train; it is copied to every worker and receives the trained weights.
+        dataset: a map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs, or an
+            ``(inputs, targets)`` tuple of tensors or arrays.
+        workers: the number of ranks.
+        **options: see :class:`raympi.config.FitConfig` and the README's table.
+
+    Returns:
+        A :class:`Result`.
+
+    Raises:
+        ConfigError: a bad option or dataset, before any actor starts.
+        CapacityError: the cluster cannot host the workers within ``startup_timeout_s``.
+        TrainingError: the model, loss or data failed on a worker (with its traceback).
+
+    Example:
+        >>> result = raympi.fit(Net(), (images, labels), workers=2, epochs=1, batch_size=64)  # doctest: +SKIP
+        >>> result.metrics[-1]["loss"]  # doctest: +SKIP
+    """
+    cfg = parse_config(workers=workers, **options)
+    reason = library.problem()
+    if reason:
+        raise MPIUnavailableError(reason)
+    optimizer = cfg.optimizer or optim.adam(1e-3)
+    loss_fn = cfg.loss_fn or F.cross_entropy
+    started_ray = False
+    ray_dataset = None
+    if _is_ray_dataset(dataset):
+        started_ray = _connect_ray(cfg)  # a Ray Dataset needs Ray to be read
+        columns = data.columns_of(dataset, cfg.columns)
+        ray_dataset = (dataset, columns)
+        num_samples = dataset.count()
+        sample = to_tensors(dataset.limit(2), columns)
+    else:
+        train = data.as_tensors(dataset)
+        num_samples, sample = len(train[0]), train
+    if num_samples == 0:
+        raise ConfigError("dataset is empty: it has no samples to train on")
+    eval_data = data.as_tensors(cfg.eval_dataset, "eval_dataset") if cfg.eval_dataset is not None else None
+    sampler = data.Sampler(cfg.seed, cfg.batch_size, num_samples, cfg.workers, sharded=ray_dataset is not None)
+    _dry_run(model, loss_fn, optimizer, *sample, cfg)
+    root = cfg.checkpoint_dir or os.path.join("runs", "raympi-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    store = CheckpointStore(root, cfg.keep_checkpoints)
+    started_ray = _connect_ray(cfg) or started_ray
+    try:
+        use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
+        spec = WorkerSpec(
+            model=model, loss_fn=loss_fn, optimizer=optimizer,
+            train=None if ray_dataset else _put_pair(train), eval=_put_pair(eval_data) if eval_data else None,
+            device="cuda" if use_gpu else "cpu",
+            torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
+        )
+        spe = sampler.steps_per_epoch
+        plan = ChunkPlan(total=min(spe * cfg.epochs, cfg.max_steps or spe * cfg.epochs), steps_per_epoch=spe,
+                         checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every, has_eval=eval_data is not None)
+        run = _resumed(store) if cfg.resume else RunState()
+        run = dataclasses.replace(run, warm_possible=ray_dataset is None)
+        pipeline = Pipeline(plan, sampler, cfg, len(eval_data[0]) if eval_data else 0)
+        final = Controller(cfg, spec, pipeline, store, run, ray_dataset).fit()
+        # The driver's copy may be read-only object-store memory: hand the user tensors of their own.
+        state = pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(final.newest.state))
+        model.load_state_dict({**state.params, **state.buffers}, strict=False)
+        return Result(state=state, model=model, metrics=list(final.history), checkpoint=final.newest.path,
+                      restarts=list(final.restarts))
+    finally:
+        store.close()
+        if started_ray:
+            ray.shutdown()
+
+
+def _put_pair(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:
+    """Both tensors into the object store as arrays (workers map them zero-copy); bfloat16 has no numpy twin."""
+    return tuple(ray.put(x.numpy() if x.dtype != torch.bfloat16 else x) for x in pair)  # type: ignore[return-value]
+
+
+def _resumed(store: CheckpointStore) -> RunState:
+    """The run state of the newest valid checkpoint, or a fresh one when there is none."""
+    found = store.latest()
+    if found is None:
+        return RunState()
+    path, manifest, state = found
+    step = int(manifest["step"])
+    history = tuple(r for r in manifest.get("history", []) if r["step"] <= step)
+    return RunState(start_step=step, history=history, newest=Checkpoint(step, path, state))
+
+
+def _is_ray_dataset(dataset: Any) -> bool:
+    return type(dataset).__module__.startswith("ray.data") and hasattr(dataset, "split")
+
+
+def _dry_run(model, loss_fn, optimizer, inputs, targets, cfg: FitConfig) -> None:
+    """One step on two samples in the driver: a data/model mismatch is caught before any actor starts."""
+    step = make_train_step(model, loss_fn, optimizer)
+    try:
+        step(TrainState.create(model, optimizer, seed=cfg.seed), (inputs[:2], targets[:2]))
+    except TrainingError:
+        raise
+    except Exception as exc:
+        raise TrainingError(
+            f"the dataset's items do not fit the model or the loss: a step on two samples (inputs of shape "
+            f"{tuple(inputs[:2].shape)} {inputs.dtype}, targets {tuple(targets[:2].shape)} {targets.dtype}) "
+            f"raised {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _connect_ray(cfg: FitConfig) -> bool:
+    """Join the configured cluster, or start a private local instance; True when we started it."""
+    if ray.is_initialized():
+        return False
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        ray.init(address=address, logging_level="ERROR")
+        return False
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR")
+    return True

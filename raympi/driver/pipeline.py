@@ -1,0 +1,161 @@
+"""The chunk pipeline: steps sent to the workers in chunks, two chunks in flight.
+
+:class:`ChunkPlan` is the pure arithmetic (where a chunk must end, when to evaluate or take a
+checkpoint, how large the next chunk is) and is tested without Ray.  :class:`Pipeline` runs chunks
+on a worker group until the run is done or something stops it, and *returns* what stopped it as a
+:class:`~raympi.driver.policy.Failure`; it never decides what to do about a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Any, Callable, Protocol
+
+import torch
+
+from raympi.deadline import Deadline
+from raympi.driver.data import Sampler
+from raympi.driver.policy import Failed, Failure, FailureKind
+
+__all__ = ["Chunk", "ChunkPlan", "Pipeline", "Hooks"]
+
+CHUNK_SECONDS = 0.5  # target duration of one chunk of steps
+MAX_CHUNK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    """Where chunks end and what they carry, for a run of ``total`` steps."""
+
+    total: int
+    steps_per_epoch: int
+    checkpoint_every: int = 0
+    eval_every: int = 0
+    has_eval: bool = False
+
+    def boundary(self, step: int) -> int:
+        """The first step after ``step`` at which something must happen (epoch end, eval, checkpoint, end)."""
+        ends = [self.total, (step // self.steps_per_epoch + 1) * self.steps_per_epoch]
+        for every in (self.checkpoint_every, self.eval_every if self.has_eval else 0):
+            if every:
+                ends.append((step // every + 1) * every)
+        return min(ends)
+
+    def wants_eval(self, step: int) -> bool:
+        """Whether to evaluate after ``step``: every ``eval_every`` steps, else at each epoch's end and the last step."""
+        if not self.has_eval:
+            return False
+        if self.eval_every:
+            return step % self.eval_every == 0
+        return step % self.steps_per_epoch == 0 or step == self.total
+
+    def wants_checkpoint(self, step: int) -> bool:
+        """Whether to take a checkpoint after ``step`` (every ``checkpoint_every`` steps, and the last one)."""
+        return step == self.total or bool(self.checkpoint_every and step % self.checkpoint_every == 0)
+
+    def next_size(self, step: int, last_count: int, last_seconds: float) -> int:
+        """Steps in the chunk starting at ``step``: about ``CHUNK_SECONDS`` of work, never past a boundary."""
+        size = max(1, min(MAX_CHUNK, int(CHUNK_SECONDS * last_count / max(1e-9, last_seconds))))
+        return min(size, self.boundary(step) - step)
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Steps ``first+1 .. last`` in flight on every rank."""
+
+    first: int
+    last: int
+    refs: list[Any]
+    eval: list[Any] | None = None
+    state: Any = None  # rank 0's state after ``last`` (a checkpoint), when asked for
+
+
+class Hooks(Protocol):
+    """What the pipeline tells its owner (the controller)."""
+
+    def completed(self, chunk: Chunk, records: list[dict[str, Any]]) -> Failure | None:
+        """Steps are done; returns a planned stop to drain for, or None."""
+
+    def save(self, state_ref: Any, step: int) -> Failure | None:
+        """A checkpoint's state is ready; returns a planned stop to drain for, or None."""
+
+
+class Pipeline:
+    """Runs chunks of steps on a group; returns ``None`` when done or the :class:`Failure` that stopped it."""
+
+    def __init__(self, plan: ChunkPlan, sampler: Sampler, cfg: Any, eval_size: int) -> None:
+        self.plan, self.sampler, self.cfg, self.eval_size = plan, sampler, cfg, eval_size
+
+    def submit(self, group: Any, first: int, count: int) -> Chunk:
+        """Send steps ``first+1 .. first+count`` to every rank (indices only)."""
+        world = group.world
+        shards: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for s in range(first, first + count):
+            for rank, part in enumerate(self.sampler.shards(s, world)):
+                shards[rank].append(part)
+        last = first + count
+        chunk = Chunk(first, last, [a.run.remote(shards[r], self.cfg.batch_size) for r, a in enumerate(group.actors)])
+        if self.plan.wants_eval(last):
+            parts = torch.tensor_split(torch.arange(self.eval_size), world)
+            chunk.eval = [a.evaluate.remote(parts[r]) for r, a in enumerate(group.actors)]
+        if self.plan.wants_checkpoint(last):
+            chunk.state = group.actors[0].state_dict.remote()
+        return chunk
+
+    def run(self, group: Any, start: int, hooks: Hooks, stop_requested: Callable[[], Failure | None]) -> Failure | None:
+        """Run from ``start`` to the plan's end.
+
+        ``stop_requested()`` is asked before each submission (the driver's SIGTERM): a stop drains the
+        chunks in flight, takes a checkpoint of the step reached, and returns the stop.
+        """
+        cfg, plan = self.cfg, self.plan
+        inflight: deque[Chunk] = deque()
+        next_step, size, last_done = start, 1, time.monotonic()
+        stop: Failure | None = None
+        while next_step < plan.total or inflight:
+            stop = stop or stop_requested()
+            while len(inflight) < 2 and next_step < plan.total and stop is None:
+                count = min(size, plan.boundary(next_step) - next_step)
+                inflight.append(self.submit(group, next_step, count))
+                next_step += count
+            chunk = inflight.popleft()
+            # The first step of a new group also warms up autograd and MPI's connections: startup time.
+            field = "startup_timeout_s" if chunk.first == start else "step_timeout_s"
+            deadline = Deadline(getattr(cfg, field), field, start=max(last_done, time.monotonic()))
+            try:
+                results = group.gather(chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}")
+            except Failed as failed:
+                return dataclasses.replace(failed.failure, chunks=(chunk, *inflight))
+            aborted = [r for r, res in enumerate(results) if res["aborted"]]
+            if aborted:
+                return Failure(FailureKind.COLLECTIVE, f"steps {chunk.first + 1}-{chunk.last}: a collective failed on rank(s) {aborted}")
+            now = time.monotonic()
+            count, seconds, last_done = chunk.last - chunk.first, max(1e-9, now - last_done), now
+            size = plan.next_size(next_step, count, seconds)
+            records = [{"step": chunk.first + k + 1, "epoch": (chunk.first + k) // plan.steps_per_epoch, **m,
+                        "samples_per_s": cfg.batch_size * count / seconds, "world_size": group.world, "time": time.time()}
+                       for k, m in enumerate(results[0]["metrics"])]
+            if chunk.eval is not None:
+                deadline = Deadline(cfg.step_timeout_s, "step_timeout_s")
+                try:
+                    records[-1].update(group.gather(chunk.eval, deadline, "evaluation")[0])
+                except Failed as failed:
+                    return dataclasses.replace(failed.failure, chunks=tuple(inflight))
+            preempted = [r for r, res in enumerate(results) if res["sigterm"]]
+            if preempted and stop is None:
+                stop = Failure(FailureKind.PREEMPTED, f"SIGTERM to rank(s) {preempted} (preemption)", ranks=tuple(preempted))
+            stop = hooks.completed(chunk, records) or stop
+            if chunk.state is not None:
+                stop = hooks.save(chunk.state, chunk.last) or stop
+            if stop is not None and not inflight and chunk.last < plan.total:
+                if stop.kind is not FailureKind.REPLACEMENT_READY and chunk.state is None:
+                    hooks.save(self.submit_state(group), chunk.last)  # planned stops lose no step
+                return stop
+        return None
+
+    @staticmethod
+    def submit_state(group: Any) -> Any:
+        """Rank 0's state now (between chunks)."""
+        return group.actors[0].state_dict.remote()

@@ -1,0 +1,160 @@
+"""The failure policy: what the driver does about a failure, as one pure function.
+
+:func:`decide` reads a :class:`Failure` (what went wrong, seen where it happened), the run's
+:class:`~raympi.driver.run_state.RunState`, the options and the cluster's :class:`Capacity`, and
+returns one decision: :class:`Warm`, :class:`Cold`, :class:`Grow` or :class:`Raise`.  No Ray, no
+I/O, no clock: it is tested as a table (``tests/test_policy.py``).  Carrying a decision out is
+:mod:`raympi.driver.recovery`'s job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Union
+
+from raympi.exceptions import (
+    FormationError, PreemptedError, RaympiError, RestartsExhaustedError, StepTimeoutError, WorkerLostError,
+)
+
+__all__ = ["Capacity", "Cold", "Decision", "Failure", "FailureKind", "Grow", "Raise", "Warm", "decide"]
+
+
+class FailureKind(str, enum.Enum):
+    """Why the pipeline stopped: infrastructure failures, user errors and planned stops."""
+
+    WORKER_LOST = "worker_lost"  # an actor or its node died
+    HUNG = "hung"  # a rank made no progress within step_timeout_s
+    COLLECTIVE = "collective"  # MPI reported a failed collective; which peer is not known
+    FORMATION = "formation"  # starting or joining a new group failed
+    USER_ERROR = "user_error"  # the model, loss or data raised: never retried
+    PREEMPTED = "preempted"  # SIGTERM to a worker: checkpoint taken, re-form without it
+    DRIVER_SIGTERM = "driver_sigterm"  # SIGTERM to the driver: checkpoint taken, stop
+    CAPACITY_BACK = "capacity_back"  # checkpoint taken, the cluster has room for a larger group
+    REPLACEMENT_READY = "replacement_ready"  # a replacement started earlier can join now
+
+    @property
+    def counted(self) -> bool:
+        """Whether it spends the ``max_restarts`` budget (infrastructure failures do, planned stops do not)."""
+        return self in (FailureKind.WORKER_LOST, FailureKind.HUNG, FailureKind.COLLECTIVE, FailureKind.FORMATION)
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A failure or planned stop, built where it was seen.
+
+    Attributes:
+        kind: what happened.
+        cause: one line for logs and the restart record.
+        ranks: the ranks that failed (empty when not known).
+        nodes: the Ray node ids of those ranks.
+        chunks: the chunks of steps in flight when it happened (survivors may still report them).
+        error: the exception to raise when the run stops over it (user errors, driver SIGTERM).
+        phase: the controller's phase when it was seen.
+    """
+
+    kind: FailureKind
+    cause: str
+    ranks: tuple[int, ...] = ()
+    nodes: tuple[str, ...] = ()
+    chunks: tuple[Any, ...] = ()
+    error: BaseException | None = None
+    phase: str = "running"
+
+    def as_error(self) -> RaympiError:
+        """The public exception that stands for this failure."""
+        if isinstance(self.error, RaympiError):
+            return self.error
+        kind = {FailureKind.HUNG: StepTimeoutError, FailureKind.FORMATION: FormationError}.get(self.kind, WorkerLostError)
+        return kind(self.cause)
+
+
+class Failed(Exception):
+    """Internal: carries a :class:`Failure` from where it is seen (the worker group) to the controller."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.cause)
+        self.failure = failure
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What the cluster offers right now.
+
+    Attributes:
+        world: ranks in the current group (0 when there is none).
+        cluster: workers the live nodes could host in all (survivors included).
+    """
+
+    world: int
+    cluster: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Warm:
+    """Survivors abandon the step in flight, keep their state and re-form with replacements."""
+
+    survivors: tuple[int, ...]
+    failed: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cold:
+    """Kill the group, start a new one of what the cluster can host, restore the newest checkpoint.
+
+    ``planned``: a checkpoint of the current step was just taken, nothing is lost.
+    """
+
+    planned: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Grow:
+    """Take the replacements that are ready into the running group (warm, state by broadcast)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Raise:
+    """Stop the run with ``error``."""
+
+    error: BaseException
+
+
+Decision = Union[Warm, Cold, Grow, Raise]
+
+
+def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decision:
+    """What to do about ``failure``.
+
+    Args:
+        failure: what happened.
+        run: the :class:`~raympi.driver.run_state.RunState` (read: ``failures``, ``newest``, ``warm_possible``).
+        config: the run's options (read: ``max_restarts``, ``min_workers``).
+        capacity: the current group's size and what the cluster could host.
+
+    Returns:
+        One of :class:`Warm`, :class:`Cold`, :class:`Grow`, :class:`Raise`.
+    """
+    kind = failure.kind
+    if kind is FailureKind.USER_ERROR:
+        return Raise(failure.as_error())
+    if kind is FailureKind.DRIVER_SIGTERM:
+        where = run.newest.path if run.newest else None
+        return Raise(failure.error or PreemptedError(
+            f"{failure.cause}; checkpoint written to {where}: fit(..., resume=True) continues from it"))
+    if kind is FailureKind.REPLACEMENT_READY:
+        return Grow()
+    if kind in (FailureKind.PREEMPTED, FailureKind.CAPACITY_BACK):
+        return Cold(planned=True)
+    if run.failures >= config.max_restarts:
+        newest = run.newest.path if run.newest else None
+        return Raise(RestartsExhaustedError(
+            f"training failed {run.failures + 1} times, more than max_restarts={config.max_restarts}; last failure: "
+            f"{failure.cause}. The newest checkpoint is {newest}: fit(..., resume=True) continues from it"))
+    failed = tuple(sorted(set(failure.ranks)))
+    survivors = tuple(r for r in range(capacity.world) if r not in failed)
+    room = max(0, capacity.cluster - len(survivors))  # where replacements could start
+    if (run.warm_possible and failed and survivors and kind is not FailureKind.FORMATION
+            and len(survivors) + min(room, len(failed)) >= config.min_workers):
+        return Warm(survivors=survivors, failed=failed)
+    return Cold()

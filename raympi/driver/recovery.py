@@ -1,0 +1,135 @@
+"""Recovery actions: carrying out a decision of :func:`raympi.driver.policy.decide`.
+
+Plain functions of (group, run state, options): :func:`warm` re-forms the survivors with
+replacements and keeps their state, :func:`cold` starts a new group from the newest checkpoint,
+:func:`grow` takes ready replacements into a running group.  Each returns the new
+:class:`~raympi.driver.run_state.RunState` (with its restart record) and never decides anything:
+when an action cannot be carried out it raises, and the controller asks the policy again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any, Callable
+
+import ray
+
+from raympi.deadline import Deadline
+from raympi.driver.group import WorkerGroup, cluster_capacity
+from raympi.driver.policy import Failed, Failure, FailureKind, Warm
+from raympi.driver.run_state import RunState
+from raympi.exceptions import CapacityError, FormationError
+
+__all__ = ["WarmSkipped", "cold", "grow", "record_of", "warm"]
+
+
+class WarmSkipped(Exception):
+    """The warm path could not be carried out (the message says why); a cold restart follows."""
+
+
+def record_of(failure: Failure, run: RunState, world: int) -> dict[str, Any]:
+    """A restart record's first fields: what failed, when, and in which phase."""
+    return {"time": time.time(), "step": run.step, "ranks": list(failure.ranks), "nodes": list(failure.nodes),
+            "cause": failure.cause, "kind": failure.kind.value, "phase": failure.phase, "path": "cold", "world_before": world}
+
+
+def _append(run: RunState, record: dict[str, Any], failure: Failure | None, **changes: Any) -> RunState:
+    counted = failure is not None and failure.kind.counted
+    return dataclasses.replace(run, restarts=(*run.restarts, record), failures=run.failures + counted, **changes)
+
+
+def warm(group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cfg: Any, steps_per_epoch: int) -> RunState:
+    """Survivors abandon the step in flight and keep their state; replacements join by broadcast.
+
+    Only the step in flight is lost.  Raises :class:`WarmSkipped` when a survivor does not stop in
+    time, fails as well, or re-forming fails (the group is then for the cold path to tear down).
+    """
+    record = record_of(failure, run, group.world)
+    failed, survivors = list(decision.failed), list(decision.survivors)
+    for r in survivors:
+        group.actors[r].abort.remote()
+    group.replace(failed)  # replacements boot while the survivors drain
+    deadline = Deadline(cfg.step_timeout_s, "step_timeout_s")
+    reported: dict[int, dict[str, Any]] = {}
+    done = {r: run.step for r in survivors}
+    for chunk in failure.chunks:
+        refs = {r: chunk.refs[r] for r in survivors}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline.remaining())
+        if len(ready) < len(refs):
+            raise WarmSkipped(f"a survivor did not stop within {deadline.setting}")
+        for r, ref in refs.items():
+            try:
+                res = ray.get(ref)
+            except ray.exceptions.RayActorError:  # lost as well (several ranks on one lost node)
+                failed.append(r)
+                group.replace([r])
+                continue
+            except ray.exceptions.RayError as error:
+                raise WarmSkipped(f"a survivor failed: {type(error).__name__}") from None
+            done[r] = res["step"]
+            for k, metrics in enumerate(res["metrics"]):
+                reported[chunk.first + k + 1] = metrics
+        survivors = [r for r in survivors if r not in failed]
+        if not survivors:
+            raise WarmSkipped("no survivor left")
+    root = max(survivors, key=lambda r: done[r])
+    step, world_before = done[root], group.world
+    print(f"raympi: {failure.cause}; warm restart of {len(survivors)} survivor(s) at step {step}", file=sys.stderr)
+    try:
+        group.reform(survivors, root, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
+    except Exception as error:  # whatever went wrong, the cold path starts from scratch
+        raise WarmSkipped(f"re-forming failed: {type(error).__name__}: {error}") from None
+    history = list(run.until(step))
+    for s in range(run.step + 1, step + 1):  # steps the survivors finished but the driver had not seen yet
+        history.append({"step": s, "epoch": (s - 1) // steps_per_epoch, **reported.get(s, {}), "world_size": world_before, "time": time.time()})
+    record.update(path="warm", world_after=group.world, steps_lost=max(0, record["step"] - step), restored_step=step)
+    return _append(run, record, failure, history=tuple(history), start_step=step)
+
+
+def cold(start_group: Callable[..., WorkerGroup], bundle: dict[str, float], failure: Failure, run: RunState, cfg: Any,
+         world_before: int, warm_skipped: str | None = None) -> tuple[WorkerGroup, RunState]:
+    """A new group of as many workers as the cluster can host (``min_workers`` to ``workers``,
+    waiting up to ``restart_timeout_s``), restored from the newest checkpoint in driver memory.
+
+    ``start_group(world, state, place_timeout_s)`` builds a :class:`WorkerGroup`.
+    """
+    record = record_of(failure, run, world_before)
+    if warm_skipped:
+        record["warm_skipped"] = warm_skipped
+    step, state = (run.newest.step, run.newest.state) if run.newest else (0, None)
+    print(f"raympi: {failure.cause}; restarting from step {step}", file=sys.stderr)
+    deadline = Deadline(cfg.restart_timeout_s, "restart_timeout_s")
+    last_error: Exception | None = None
+    cap = cfg.workers
+    for remaining in deadline.backoff(first_s=0.05, most_s=1.0):
+        world = min(cap, cluster_capacity(bundle))
+        if world >= cfg.min_workers:
+            try:
+                group = start_group(world, state, min(5.0, max(1.0, remaining)))
+                record.update(world_after=group.world, steps_lost=record["step"] - step, restored_step=step)
+                return group, _append(run, record, failure, history=run.until(step), start_step=step)
+            except (CapacityError, FormationError, Failed) as error:  # a node went away meanwhile: count again
+                if isinstance(error, Failed) and error.failure.kind is FailureKind.USER_ERROR:
+                    raise
+                last_error = error
+                # Ray may still count a cut-off node as alive: ask for one worker fewer next time
+                # (a later checkpoint grows the group back once the capacity is real).
+                cap = max(cfg.min_workers, world - 1)
+    why = (f"the cluster can host {world} worker(s) of {bundle}, fewer than min_workers={cfg.min_workers}"
+           if world < cfg.min_workers else f"re-forming {world} worker(s) kept failing (last: {last_error})")
+    newest = run.newest.path if run.newest else None
+    raise CapacityError(f"after the failure {why}, and no way forward was found within {deadline.setting}. "
+                        f"The newest checkpoint is {newest}: fit(..., resume=True) continues from it")
+
+
+def grow(group: WorkerGroup, run: RunState, cfg: Any) -> RunState:
+    """Take the replacements that are ready into the group (warm: rank 0's state by broadcast)."""
+    before, start = group.world, time.monotonic()
+    record = {"time": time.time(), "step": run.step, "ranks": [], "nodes": [], "cause": "replacement ready",
+              "kind": "replacement_ready", "phase": "recovering", "path": "warm", "world_before": before,
+              "restored_step": run.step, "steps_lost": 0}
+    group.reform(list(range(before)), 0, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
+    record.update(world_after=group.world, recovery_s=time.monotonic() - start)
+    return _append(run, record, None)
