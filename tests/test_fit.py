@@ -206,3 +206,16 @@ def test_ray_dataset_is_split_per_rank_by_ray_data(ray_session, fashion, tmp_pat
     assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
     with pytest.raises(ConfigError, match="not among the dataset's columns"):
         _fit(ds, tmp_path, "rd2", workers=2, columns=("img", "label"))
+
+
+def test_regression_reports_no_accuracy(ray_session, tmp_path):
+    """MSE on float targets: loss and eval_loss only; accuracy does not apply (and is not reported as 0)."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 3)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.1
+    result = raympi.fit(nn.Linear(3, 1), (x, y), workers=2, epochs=3, batch_size=32, loss_fn=nn.functional.mse_loss,
+                        optimizer=raympi.optim.sgd(0.1), eval_dataset=(x[:64], y[:64]), checkpoint_dir=str(tmp_path / "ck"),
+                        progress=False)
+    last = result.metrics[-1]
+    assert "eval_loss" in last and last["eval_loss"] < result.metrics[0]["loss"]
+    assert not any("accuracy" in key for r in result.metrics for key in r), last

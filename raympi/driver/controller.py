@@ -180,7 +180,7 @@ class Controller:
 
     def _stop_requested(self) -> Failure | None:
         if self.sigterm:
-            return Failure(FailureKind.DRIVER_SIGTERM, f"stopped by SIGTERM after step {self.run.step}", phase=Phase.DRAINING.value)
+            return Failure(FailureKind.DRIVER_SIGTERM, "stopped by SIGTERM", phase=Phase.DRAINING.value)
         return None
 
     def _on_sigterm(self, *_: Any) -> None:

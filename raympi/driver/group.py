@@ -99,7 +99,7 @@ class WorkerGroup:
                 env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**31 - 1))
             self._env, self._spec_ref = env, ray.put(spec)
             self.actors = [self._spawn(i, i) for i in range(world)]
-            self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", startup=True)
+            self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", startup=True, first_call=True)
             members = comm.form(self.actors, timeout_s=max(1.0, deadline.remaining()), bucket_bytes=cfg.bucket_bytes,
                                 compression=cfg.compression)
             self.hosts = [host for _, _, host in members]
@@ -184,8 +184,10 @@ class WorkerGroup:
                 "other jobs hold the rest); raise startup_timeout_s or free resources"
             )
 
-    def gather(self, refs: Sequence[Any], deadline: Deadline, what: str, startup: bool = False) -> list[Any]:
+    def gather(self, refs: Sequence[Any], deadline: Deadline, what: str, startup: bool = False, first_call: bool = False) -> list[Any]:
         """Results of one call per rank, failing fast on the first error and at ``deadline``.
+
+        ``first_call``: the workers' first call, where dying on a live node means the spec did not unpickle.
 
         Raises:
             Failed: a rank died, raised, or made no progress in time (``startup``: a timeout is a
@@ -194,7 +196,7 @@ class WorkerGroup:
         rank_of = {ref: r for r, ref in enumerate(refs)}
         try:
             for ref in each_done(refs, deadline):
-                self._check(ref, rank_of[ref], what)
+                self._check(ref, rank_of[ref], what, first_call=first_call)
         except Expired as expired:
             stuck = self.silent(sorted(rank_of[r] for r in expired.pending))
             message = f"{what}: rank(s) {stuck} made no progress within {deadline.setting} (hung process, cut link, or too small a deadline)"
@@ -212,7 +214,7 @@ class WorkerGroup:
         quiet = sorted(set(ranks) - {pings[ref] for ref in answered})
         return quiet or ranks
 
-    def _check(self, ref: Any, rank: int, what: str) -> None:
+    def _check(self, ref: Any, rank: int, what: str, first_call: bool = False) -> None:
         label = where(rank, self.world, self.hosts[rank] if rank < len(self.hosts) else None)
         try:
             ray.get(ref)
@@ -224,7 +226,7 @@ class WorkerGroup:
             error = TrainingError(f"{what}: {label} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}")
             raise Failed(self._failure(FailureKind.USER_ERROR, str(error).splitlines()[0], [rank], error)) from None
         except ray.exceptions.RayActorError as exc:
-            if what.startswith("starting") and self._node_alive(rank):
+            if first_call and self._node_alive(rank):
                 raise TrainingError(
                     f"{what}: {label} died on a live node before it could run ({str(exc).splitlines()[0]}). "
                     "Workers die like this when they cannot unpickle the model, loss or optimizer: make the modules "

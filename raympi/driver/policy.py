@@ -139,9 +139,10 @@ def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decis
     if kind is FailureKind.USER_ERROR:
         return Raise(failure.as_error())
     if kind is FailureKind.DRIVER_SIGTERM:
-        where = run.newest.path if run.newest else None
-        return Raise(failure.error or PreemptedError(
-            f"{failure.cause}; checkpoint written to {where}: fit(..., resume=True) continues from it"))
+        if run.newest is None:
+            return Raise(PreemptedError(f"{failure.cause} before any checkpoint was written: nothing to resume from"))
+        return Raise(PreemptedError(f"{failure.cause} after step {run.newest.step}; checkpoint written to "
+                                    f"{run.newest.path}: fit(..., resume=True) continues from it"))
     if kind is FailureKind.REPLACEMENT_READY:
         return Grow()
     if kind in (FailureKind.PREEMPTED, FailureKind.CAPACITY_BACK):

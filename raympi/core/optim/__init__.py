@@ -61,18 +61,6 @@ from raympi.core.optim.schedule import constant, cosine_decay, linear_warmup
 from raympi.core.optim.transform import clip_by_global_norm
 
 __all__ = [
-    "GradientTransformation",
-    "Schedule",
-    "ScalarOrSchedule",
-    "apply_updates",
-    "apply_gradients",
-    "chain",
-    "sgd",
-    "adam",
-    "adamw",
-    "clip_by_global_norm",
-    "from_torch",
-    "constant",
-    "cosine_decay",
-    "linear_warmup",
+    "GradientTransformation", "Schedule", "ScalarOrSchedule", "apply_updates", "apply_gradients", "chain",
+    "sgd", "adam", "adamw", "clip_by_global_norm", "from_torch", "constant", "cosine_decay", "linear_warmup",
 ]

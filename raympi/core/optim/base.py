@@ -15,14 +15,7 @@ import torch
 
 from raympi.core import pytree
 
-__all__ = [
-    "GradientTransformation",
-    "Schedule",
-    "ScalarOrSchedule",
-    "apply_updates",
-    "apply_gradients",
-    "chain",
-]
+__all__ = ["GradientTransformation", "Schedule", "ScalarOrSchedule", "apply_updates", "apply_gradients", "chain"]
 
 Params = Any  # a tree of tensors (raympi uses a flat dict name -> tensor)
 Updates = Any  # a tree of the same structure as the parameters
