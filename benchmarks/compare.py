@@ -14,7 +14,7 @@ batch; 1 torch thread per process, CPU):
 
 Models: the CNN of examples/mnist.py (``Net``, 108k parameters) and an MLP 784-2048-2048-10 (5.8M).
 Data: synthetic MNIST-shaped tensors of a fixed seed, N = 32*W*E samples, so that one epoch is
-E = --warmup steps.  Every contender reads raympi's own order (raympi.data.epoch_order(seed, epoch,
+E = --warmup steps.  Every contender reads raympi's own order (raympi.driver.data.epoch_order(seed, epoch,
 N), step i of the epoch is order[i*B:(i+1)*B], split by rank_slices into contiguous parts).  The
 short epoch is what gives raympi's driver-side clock a chunk boundary exactly at the end of the
 warm-up (raympi ends a chunk of steps at every epoch end); it also caps its chunks at E steps,
@@ -110,7 +110,7 @@ def _net_class() -> type:
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
-    """raympi.data.epoch_order, restated so that children need not import raympi (the driver checks they agree)."""
+    """raympi.driver.data.epoch_order, restated so that children need not import raympi (the driver checks they agree)."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 

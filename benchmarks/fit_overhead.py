@@ -38,6 +38,7 @@ import raympi  # noqa: E402
 from raympi.driver import data  # noqa: E402
 from raympi.driver.config import parse_config  # noqa: E402
 from raympi.driver.group import WorkerGroup  # noqa: E402
+from raympi.worker import WorkerSpec  # noqa: E402
 
 WORLD = 2
 
@@ -63,7 +64,9 @@ def workers_only(name: str, steps: int, warmup: int, tmp: str) -> dict:
     x, y = _dataset(steps)
     cfg = parse_config(workers=WORLD, **_options(tmp, checkpoint_every=0))
     refs = (ray.put(x.numpy()), ray.put(y.numpy()))
-    group = WorkerGroup(cfg, WORLD, (_model(name), F.cross_entropy, cfg.optimizer, *refs, None, None), None, False)
+    spec = WorkerSpec(model=_model(name), loss_fn=F.cross_entropy, optimizer=cfg.optimizer, train=refs,
+                      device="cpu", torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))))
+    group = WorkerGroup(cfg, WORLD, spec, None)
     try:
         sampler = data.Sampler(SEED, cfg.batch_size, len(x), WORLD)
         shards = [[sampler.shards(s, WORLD)[r] for s in range(steps)] for r in range(WORLD)]

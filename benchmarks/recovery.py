@@ -13,8 +13,9 @@ moment it injects the failure to the first training step completed after it:
 raympi's paths: "warm" is raympi as it ships (the survivors keep their state,
 only failed ranks are replaced; cold when that cannot apply), "elastic" is the same
 with min_workers=1 (the survivor goes on at once, the replacement joins when it is
-up, warm, as a "Grow" event), "cold" disables the
-warm attempt in the driver (``_Run._warm`` patched to decline) so the group is
+up, warm, as a "replacement_ready" event), "cold" disables the
+warm attempt in the driver (``raympi.driver.recovery.warm`` patched to raise
+``WarmSkipped``) so the group is
 killed, re-formed and restored from the newest checkpoint.  A raympi without a
 warm path is reported as such, not measured.
 
@@ -184,21 +185,35 @@ class _Injector:
 # ---------------------------------------------------------------- raympi
 
 
-def _fit_run_class() -> Any:
-    return sys.modules["raympi.fit"]._Run
+# Restart records of planned stops, not failures (their "kind" is a raympi.driver.policy.FailureKind value):
+# SIGTERM to a worker, capacity back (regroup), a replacement taken into a running group (grow).
+PLANNED_KINDS = ("preempted", "capacity_back", "replacement_ready")
+# A lost worker or node: the actor's death, or the survivors' collective failing first.
+LOST_KINDS = ("worker_lost", "collective")
+
+
+def _recovery_module() -> Any:
+    """``raympi.driver.recovery`` (imported here: it imports Ray), whose ``warm`` the controller calls."""
+    import importlib
+
+    return importlib.import_module("raympi.driver.recovery")
 
 
 def has_warm_path() -> bool:
-    """Whether this raympi tries a warm restart before the cold one (``_Run._warm``, in the tree since the warm path landed)."""
-    return hasattr(_fit_run_class(), "_warm")
+    """Whether this raympi tries a warm restart before the cold one (``raympi.driver.recovery.warm``)."""
+    return hasattr(_recovery_module(), "warm")
 
 
 def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
     """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the driver."""
-    run_cls = _fit_run_class()
-    saved = getattr(run_cls, "_warm", None)
+    recovery = _recovery_module()
+    saved = getattr(recovery, "warm", None)
     if path == "cold" and saved is not None:
-        run_cls._warm = lambda self, *args, **kwargs: False  # shadows the inherited method for this run
+        def declined(*args: Any, **kwargs: Any) -> Any:
+            raise recovery.WarmSkipped("forced cold by the benchmark")
+
+        # The controller calls recovery.warm through the module: it takes the cold path, recording warm_skipped.
+        recovery.warm = declined
     try:
         return raympi.fit(
             make_model(), make_data(n), workers=WORKERS, batch_size=BATCH, epochs=10**6, max_steps=steps,
@@ -206,12 +221,12 @@ def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
             optimizer=raympi.optim.adam(1e-3), min_workers=1 if path == "elastic" else WORKERS,
         )
     finally:
-        if "_warm" in run_cls.__dict__ and path == "cold":
-            del run_cls._warm
+        if path == "cold" and saved is not None:
+            recovery.warm = saved
 
 
 def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[str, Any]:
-    failures = [r for r in result.restarts if r["kind"] not in ("Regroup", "Preempted", "Grow")]
+    failures = [r for r in result.restarts if r["kind"] not in PLANNED_KINDS]
     if not failures:
         raise RuntimeError("raympi did not restart: the failure landed after the run ended")
     notes = []
@@ -306,8 +321,8 @@ def raympi_removed_node(n: int, steps: int, path: str) -> dict[str, Any]:
         if injector.time is None:
             raise RuntimeError(injector.error)
         out = _raympi_measure(result, injector.time, path)
-        if out["kind"] != "WorkerLostError":
-            raise RuntimeError(f"expected a WorkerLostError restart, got {out['kind']}")
+        if out["kind"] not in LOST_KINDS:
+            raise RuntimeError(f"expected a {' or '.join(LOST_KINDS)} restart, got {out['kind']}")
         return out
     finally:
         if injector is not None:

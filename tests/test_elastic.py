@@ -198,6 +198,23 @@ def test_user_exception_fails_fast_without_restart(cluster, tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_warm_path_that_cannot_be_carried_out_falls_back_to_cold(cluster, uninterrupted, tmp_path, monkeypatch):
+    from raympi.driver import recovery
+
+    def decline(*args, **kwargs):
+        raise recovery.WarmSkipped("declined by the test")
+
+    monkeypatch.setattr(recovery, "warm", decline)
+    folder = tmp_path / "ck"
+    _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGKILL))
+    result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **OPTIONS)
+    record = result.restarts[0]
+    assert record["path"] == "cold" and record["warm_skipped"] == "declined by the test", record
+    assert record["kind"] == "worker_lost" and record["restored_step"] >= 20 and record["world_after"] == 3
+    assert [r["step"] for r in result.metrics] == list(range(1, len(result.metrics) + 1))
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
 def test_more_failures_than_max_restarts(cluster, tmp_path):
     folder = tmp_path / "ck"
     _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGKILL))

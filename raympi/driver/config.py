@@ -24,7 +24,7 @@ class MPIConfig(BaseModel):
     between hosts) and UCX when every rank is sure to share one host (about 3x
     faster there).  "May span" counts the ranks' nodes and every live node that
     could host a replacement later, because replacements inherit the group's
-    choice (see :func:`raympi.group.spans_hosts`).  An autoscaling cluster that
+    choice (see :func:`raympi.driver.group.spans_hosts`).  An autoscaling cluster that
     starts with one node should set ``netmod="ofi"``.  ``interface`` names the
     NIC (``FI_TCP_IFACE`` of libfabric's tcp provider, ``UCX_NET_DEVICES`` for
     UCX); ``env`` adds any other ``MPIR_CVAR_*`` / ``FI_*`` / ``UCX_*`` variable.

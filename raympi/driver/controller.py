@@ -21,7 +21,7 @@ from raympi.driver import recovery
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.group import WorkerGroup, cluster_capacity, worker_bundle
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
-from raympi.driver.policy import Capacity, Cold, Failed, Failure, FailureKind, Grow, Raise, Warm, decide
+from raympi.driver.policy import Capacity, Failed, Failure, FailureKind, Grow, Raise, Warm, decide
 from raympi.driver.report import Progress, write_jsonl, write_plot
 from raympi.driver.run_state import Checkpoint, Phase, RunState
 from raympi.exceptions import FormationError
@@ -127,7 +127,7 @@ class Controller:
                 return None
             except recovery.WarmSkipped as why:
                 skipped = str(why)
-        assert isinstance(decision, Cold)
+        # Cold, or a Warm that could not be carried out (``skipped`` says why)
         world_before = self.group.world if self.group else 0
         self._drop_group()
         self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done
