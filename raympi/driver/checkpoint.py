@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from raympi.exceptions import ConfigError
+from raympi.exceptions import ConfigError, WorkerLostError
 
 __all__ = ["CheckpointStore", "load_checkpoint", "CORRUPT_WARNING"]
 
@@ -41,11 +41,12 @@ class CheckpointStore:
         ConfigError: ``root`` cannot be created or written (checked at once, before any worker starts).
     """
 
-    def __init__(self, root: str, keep: int = 3) -> None:
+    def __init__(self, root: str, keep: int = 3, fetch_timeout_s: float = 60.0) -> None:
         import fsspec
 
         self.root = root.removeprefix("file://")
         self.keep = keep
+        self.fetch_timeout_s = fetch_timeout_s  # rank 0 handing over its state (a stopped rank must not hang us)
         self.fs = fsspec.filesystem("file") if _is_local(root) else fsspec.core.url_to_fs(root)[0]
         self._path = self.root if _is_local(root) else self.fs._strip_protocol(root)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority)
@@ -88,7 +89,11 @@ class CheckpointStore:
 
             from raympi.core import pytree
 
-            state = pytree.from_arrays(ray.get(state))  # zero-copy views of the object store's copy
+            try:
+                state = pytree.from_arrays(ray.get(state, timeout=self.fetch_timeout_s))  # zero-copy views
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerLostError(f"rank 0 did not hand over its state for step {manifest['step']} within "
+                                      f"{self.fetch_timeout_s:g} s (startup_timeout_s)") from None
         path = self.save(state, manifest)
         self._saved.put((path, int(manifest["step"]), state))  # handed to the driver's thread, never shared
         return path

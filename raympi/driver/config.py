@@ -79,6 +79,7 @@ class FitConfig(BaseModel):
     step_timeout_s: float = Field(10.0, gt=0, description="the longest a rank may go without finishing a chunk of steps (about 0.5 s of work): a hung rank is noticed after this")
     bucket_bytes: int = Field(16 * 2**20, ge=1024, description="bytes per MPI_Allreduce bucket")
     compression: Optional[Literal["bf16", "fp16"]] = Field(None, description="send float32 gradients as 16-bit floats (half the bytes; the optimizer stays float32); see the README's performance notes")
+    loader_workers: Optional[int] = Field(None, ge=0, description="processes per worker reading a map-style Dataset ahead of the step (0: in the step's thread); default: the worker's CPUs minus one, at most 4")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch threads per worker; default the worker's CPUs")
     mpi: MPIConfig = Field(default_factory=MPIConfig)
 

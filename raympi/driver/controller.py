@@ -15,7 +15,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from raympi.driver import recovery
 from raympi.driver.checkpoint import CheckpointStore
@@ -42,13 +42,15 @@ class Controller:
         store: where checkpoints go.
         run: the starting state (a resumed run's history and checkpoint, or empty).
         ray_dataset: a ``ray.data.Dataset`` and its columns (split per group), else ``None``.
+        announce: says what a slow start is doing, a line at a time.
     """
 
     def __init__(self, cfg: Any, spec: WorkerSpec, pipeline: Pipeline, store: CheckpointStore, run: RunState,
-                 ray_dataset: Any = None) -> None:
+                 ray_dataset: Any = None, announce: Callable[[str], None] = lambda text: None) -> None:
         self.cfg, self.spec, self.pipeline, self.store, self.run = cfg, spec, pipeline, store, run
         self.plan: ChunkPlan = pipeline.plan
         self.ray_dataset = ray_dataset
+        self.announce = announce
         self.group: WorkerGroup | None = None
         self.sigterm = False
         self._recovered_at: float | None = None  # when the newest restart record's failure was noticed
@@ -84,6 +86,8 @@ class Controller:
     def _enter(self, phase: Phase) -> None:
         if self.run.phase is not phase:
             log.info("raympi: %s -> %s at step %d", self.run.phase.value, phase.value, self.run.step)
+            if phase in (Phase.DRAINING, Phase.RECOVERING):
+                self.announce(f"{phase.value} at step {self.run.step}")
             self.run = dataclasses.replace(self.run, phase=phase)
 
     def _start(self) -> Failure | None:
@@ -91,6 +95,7 @@ class Controller:
         self._enter(Phase.STARTING)
         try:
             self.group = self._new_group(self.cfg.workers, self.run.newest and self.run.newest.state)
+            self.announce(f"training from step {self.run.step} (the first step also warms up autograd and MPI)")
         except Failed as failed:
             return dataclasses.replace(failed.failure, phase=Phase.STARTING.value)
         except FormationError as error:
@@ -98,13 +103,14 @@ class Controller:
         return None
 
     def _new_group(self, world: int, state: Any, place_timeout_s: float | None = None) -> WorkerGroup:
-        return WorkerGroup(self.cfg, world, self.spec, state, self.ray_dataset, place_timeout_s=place_timeout_s)
+        return WorkerGroup(self.cfg, world, self.spec, state, self.ray_dataset, place_timeout_s=place_timeout_s,
+                           announce=self.announce)
 
     def _recover(self, failure: Failure) -> Failure | None:
         """RECOVERING: ask the policy, carry its decision out; returns a follow-up failure, if any."""
         detected = time.monotonic()
-        planned = failure.kind in (FailureKind.PREEMPTED, FailureKind.CAPACITY_BACK, FailureKind.DRIVER_SIGTERM)
-        self._collect(wait=planned)  # a planned stop's checkpoint must be on disk (and known) first
+        world_before = self.group.world if self.group else 0
+        self._collect(wait=failure.kind.planned)  # a planned stop's checkpoint must be on disk (and known) first
         capacity = Capacity(world=self.group.world if self.group else 0, cluster=cluster_capacity(self._bundle()))
         decision = decide(failure, self.run, self.cfg, capacity)
         log.info("raympi: %s -> %s", failure.kind.value, type(decision).__name__)
@@ -114,7 +120,7 @@ class Controller:
             raise decision.error
         if isinstance(decision, Grow):
             try:
-                self.run = recovery.grow(self.group, self.run, self.cfg)
+                self.run = recovery.grow(self.group, failure, self.run, self.cfg)
             except Exception as error:  # a failed expansion is a failure like any other
                 return Failure(FailureKind.WORKER_LOST, f"taking in a replacement at step {self.run.step} failed: "
                                f"{type(error).__name__}: {error}", phase=Phase.RECOVERING.value)
@@ -128,7 +134,6 @@ class Controller:
             except recovery.WarmSkipped as why:
                 skipped = str(why)
         # Cold, or a Warm that could not be carried out (``skipped`` says why)
-        world_before = self.group.world if self.group else 0
         self._drop_group()
         self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done
         self._collect()
@@ -158,6 +163,10 @@ class Controller:
         if self.group.pending_ready() and chunk.last < self.plan.total:
             return Failure(FailureKind.REPLACEMENT_READY, "replacement ready", phase=Phase.DRAINING.value)
         return None
+
+    def draining(self, stop: Failure) -> None:
+        """The pipeline stops sending chunks: a planned stop is coming."""
+        self._enter(Phase.DRAINING)
 
     def save(self, state_ref: Any, step: int) -> Failure | None:
         """Write rank 0's state as a checkpoint in the background; room for more workers asks to drain and regroup."""

@@ -1,4 +1,7 @@
-"""The driver's side of the data: one tensor pair per dataset, and who reads which samples when.
+"""The driver's side of the data: what kind of dataset it is, and who reads which samples when.
+
+The driver never reads the samples: in-memory tensors go to the object store as they are, a map-style
+Dataset is shipped as an object and read on the workers.
 
 The driver owns the data order: epoch ``e`` reads the samples in the order of a
 permutation seeded by ``(seed, e)``; step ``s`` of it is the global batch
@@ -10,6 +13,7 @@ contiguous, possibly uneven, slices (64 over 3 ranks: 22 + 21 + 21).  The cursor
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,44 +21,83 @@ import torch
 
 from raympi.exceptions import ConfigError
 
-# A ray.data.Dataset is split into equal shards per rank by Ray Data itself (``Dataset.split``);
-# each rank reads its own shard in an order seeded by (seed, epoch, rank), so with Ray Data the
-# data order, unlike the global-batch arithmetic, depends on the world size.
+# A ray.data.Dataset is streamed by Ray Data itself (``streaming_split``): the driver then sends
+# each rank only its position in the epoch and its share of the global batch; the order is Ray Data's.
 
-__all__ = ["Sampler", "as_tensors", "columns_of", "epoch_order", "rank_slices", "steps_per_epoch"]
+__all__ = ["Data", "Sampler", "columns_of", "epoch_order", "inspect", "rank_slices", "steps_per_epoch"]
+
+_FORMS = ("an (inputs, targets) tuple of tensors or arrays (inputs may be a tuple or dict of them), "
+          "a map-style torch Dataset of (input, target) items, or a ray.data.Dataset")
 
 
-def as_tensors(dataset: Any, name: str = "dataset") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, targets)`` tensors from a tuple of tensors/arrays or a map-style Dataset.
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """A dataset as the driver sees it, never materialized.
+
+    Attributes:
+        kind: ``"arrays"`` (in-memory tensors, the fast path) or ``"dataset"`` (a map-style Dataset,
+            read on the workers).
+        value: ``(inputs, targets)`` tensors (inputs a tensor, tuple or dict) or the Dataset itself.
+        length: the number of samples.
+    """
+
+    kind: str
+    value: Any
+    length: int
+
+
+def _as_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        return torch.as_tensor(x)
+    return None
+
+
+def _arrays(dataset: Any) -> Any:
+    """``(inputs, targets)`` as a tree of tensors when ``dataset`` is given in memory, else None."""
+    if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
+        dataset = dataset.tensors
+    if not (isinstance(dataset, (tuple, list)) and len(dataset) == 2):
+        return None
+    inputs, targets = dataset
+    targets = _as_tensor(targets)
+    if isinstance(inputs, dict):
+        inputs = {k: _as_tensor(v) for k, v in inputs.items()}
+        leaves = list(inputs.values())
+    elif isinstance(inputs, (tuple, list)):
+        inputs = tuple(_as_tensor(v) for v in inputs)
+        leaves = list(inputs)
+    else:
+        inputs = _as_tensor(inputs)
+        leaves = [inputs]
+    if targets is None or not leaves or any(t is None or t.ndim == 0 for t in [*leaves, targets]):
+        return None
+    return inputs, targets
+
+
+def inspect(dataset: Any, name: str = "dataset") -> Data:
+    """What kind of dataset this is and how long, without reading any item.
 
     Raises:
-        ConfigError: the dataset is empty, of an unknown kind, or its parts disagree in length.
+        ConfigError: an unknown kind, an empty dataset, or in-memory parts that disagree in length.
     """
-    if isinstance(dataset, torch.utils.data.TensorDataset):
-        dataset = dataset.tensors
-    if isinstance(dataset, (tuple, list)) and len(dataset) == 2 and not isinstance(dataset[0], (tuple, list)):
-        inputs, targets = (torch.as_tensor(np.asarray(x)) if not isinstance(x, torch.Tensor) else x for x in dataset)
+    arrays = _arrays(dataset)
+    if arrays is not None:
+        inputs, targets = arrays
+        leaves = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, tuple) else [inputs]
+        lengths = {len(t) for t in [*leaves, targets]}
+        if len(lengths) > 1:
+            raise ConfigError(f"{name}: its tensors disagree in length ({sorted(lengths)}): every input and the targets "
+                              "need one entry per sample")
+        data = Data("arrays", arrays, len(targets))
     elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        if len(dataset) == 0:
-            raise ConfigError(f"{name} is empty: it has no samples to train on")
-        loader = torch.utils.data.DataLoader(dataset, batch_size=1024, shuffle=False)
-        try:
-            parts = list(loader)
-        except Exception as exc:
-            raise ConfigError(f"{name}: reading its items failed ({type(exc).__name__}: {exc}); items must be (input, target) pairs of tensors") from None
-        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in parts):
-            raise ConfigError(f"{name}: items must be (input, target) pairs, got {type(parts[0]).__name__}")
-        inputs, targets = torch.cat([p[0] for p in parts]), torch.cat([torch.as_tensor(p[1]) for p in parts])
+        data = Data("dataset", dataset, len(dataset))
     else:
-        raise ConfigError(
-            f"{name} must be a map-style torch Dataset, an (inputs, targets) tuple of tensors or arrays, "
-            f"or a ray.data.Dataset; got {type(dataset).__name__}"
-        )
-    if len(inputs) == 0:
+        raise ConfigError(f"{name} must be {_FORMS}; got {type(dataset).__name__}")
+    if data.length == 0:
         raise ConfigError(f"{name} is empty: it has no samples to train on")
-    if len(inputs) != len(targets):
-        raise ConfigError(f"{name}: {len(inputs)} inputs but {len(targets)} targets")
-    return inputs, targets
+    return data
 
 
 def steps_per_epoch(num_samples: int, batch_size: int) -> int:
@@ -92,33 +135,40 @@ def columns_of(dataset: Any, columns: tuple[str, str] | None) -> tuple[str, str]
 class Sampler:
     """Which samples each rank reads at each step.
 
-    ``sharded=False``: one global permutation per epoch, each global batch split over the ranks.
-    ``sharded=True`` (Ray Data): each rank permutes its own equal shard and reads its part of the
-    global batch from it.
+    ``sharded=False``: one global permutation per epoch, each global batch split over the ranks;
+    a rank gets its sample indices.  ``sharded=True`` (a Ray Data stream): a rank gets
+    ``(position in the epoch, its share of the global batch)`` and reads that many rows of its stream.
+    ``worlds``: the world sizes the run may have (a stream must last the epoch for each).
     """
 
-    def __init__(self, seed: int, batch_size: int, num_samples: int, workers: int, sharded: bool = False) -> None:
+    def __init__(self, seed: int, batch_size: int, num_samples: int, worlds: range, sharded: bool = False) -> None:
         self.seed, self.batch_size, self.num_samples, self.sharded = seed, batch_size, num_samples, sharded
-        if sharded:  # the most any rank needs per step, from the smallest shard it may get
-            need = -(-batch_size // workers)
-            self.steps_per_epoch = steps_per_epoch(num_samples // workers, need)
+        if sharded:  # the most any rank needs per step, from the rows of its stream
+            self.steps_per_epoch = min(steps_per_epoch(num_samples // w, -(-batch_size // w)) for w in worlds)
         else:
             self.steps_per_epoch = steps_per_epoch(num_samples, batch_size)
-        self._orders: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._orders: dict[int, torch.Tensor] = {}
 
-    def _order(self, epoch: int, rank: int, size: int) -> torch.Tensor:
-        key = (epoch, rank, size)
-        if key not in self._orders:
-            self._orders = {k: v for k, v in self._orders.items() if k[0] == epoch}
-            self._orders[key] = epoch_order(self.seed + 7919 * (rank + 1) * self.sharded, epoch, size)
-        return self._orders[key]
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(self.seed, epoch, self.num_samples)}
+        return self._orders[epoch]
 
-    def shards(self, step: int, world: int) -> list[torch.Tensor]:
-        """Each rank's sample indices (into the whole dataset, or into its own shard) for global ``step``."""
+    def shards(self, step: int, world: int) -> list[Any]:
+        """Each rank's part of global ``step``: sample indices, or (position, count) of a stream."""
         epoch, i = divmod(step, self.steps_per_epoch)
-        if not self.sharded:
-            batch = self._order(epoch, 0, self.num_samples)[i * self.batch_size : (i + 1) * self.batch_size]
-            return rank_slices(batch, world)
-        sizes = [len(p) for p in rank_slices(torch.arange(self.batch_size), world)]
-        shard_len = self.num_samples // world
-        return [self._order(epoch, r, shard_len)[i * n : (i + 1) * n] for r, n in enumerate(sizes)]
+        if self.sharded:
+            return [(i, len(p)) for p in rank_slices(torch.arange(self.batch_size), world)]
+        return rank_slices(self._order(epoch)[i * self.batch_size : (i + 1) * self.batch_size], world)
+
+
+def ship(data: Data) -> Any:
+    """Put a dataset into Ray's object store once: in-memory tensors as arrays (the workers map them
+    zero-copy), a Dataset as one object (pickled once, read on the workers).  Returns the ref(s)."""
+    import ray
+
+    from raympi.core import pytree
+
+    if data.kind == "dataset":
+        return ray.put(data.value)
+    return pytree.map(lambda t: ray.put(t.numpy() if t.dtype != torch.bfloat16 else t), data.value)  # no numpy bfloat16

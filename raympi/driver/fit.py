@@ -20,7 +20,7 @@ from raympi.comm import library
 from raympi.core import optim, pytree
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
-from raympi.driver import data
+from raympi.driver import data, report
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import FitConfig, parse_config
 from raympi.driver.controller import Controller
@@ -83,30 +83,38 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
     optimizer = cfg.optimizer or optim.adam(1e-3)
     loss_fn = cfg.loss_fn or F.cross_entropy
     started_ray = False
-    ray_dataset = None
+    ray_dataset, train = None, None
+    announce = report.Announcer(cfg.progress)
     if _is_ray_dataset(dataset):
         started_ray = _connect_ray(cfg)  # a Ray Dataset needs Ray to be read
+        announce("counting the Ray Dataset's rows")
         columns = data.columns_of(dataset, cfg.columns)
         ray_dataset = (dataset, columns)
         num_samples = dataset.count()
+        if num_samples == 0:
+            raise ConfigError("dataset is empty: it has no samples to train on")
         sample = to_tensors(dataset.limit(2), columns)
     else:
-        train = data.as_tensors(dataset)
-        num_samples, sample = len(train[0]), train
-    if num_samples == 0:
-        raise ConfigError("dataset is empty: it has no samples to train on")
-    eval_data = data.as_tensors(cfg.eval_dataset, "eval_dataset") if cfg.eval_dataset is not None else None
-    sampler = data.Sampler(cfg.seed, cfg.batch_size, num_samples, cfg.workers, sharded=ray_dataset is not None)
-    _dry_run(model, loss_fn, optimizer, *sample, cfg)
+        train = data.inspect(dataset)
+        num_samples, sample = train.length, train.value if train.kind == "arrays" else None
+    eval_data = data.inspect(cfg.eval_dataset, "eval_dataset") if cfg.eval_dataset is not None else None
+    worlds = range(cfg.min_workers, cfg.workers + 1)
+    sampler = data.Sampler(cfg.seed, cfg.batch_size, num_samples, worlds, sharded=ray_dataset is not None)
+    if sample is not None:  # a Dataset is never read on the driver: its first step checks it
+        _dry_run(model, loss_fn, optimizer, *sample, cfg)
     root = cfg.checkpoint_dir or os.path.join("runs", "raympi-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    store = CheckpointStore(root, cfg.keep_checkpoints)
+    store = CheckpointStore(root, cfg.keep_checkpoints, fetch_timeout_s=cfg.startup_timeout_s)
+    if not ray.is_initialized():
+        announce("starting Ray" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "connecting to Ray")
     started_ray = _connect_ray(cfg) or started_ray
     try:
+        announce("shipping the data to the object store")
         use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
         spec = WorkerSpec(
             model=model, loss_fn=loss_fn, optimizer=optimizer,
-            train=None if ray_dataset else _put_pair(train), eval=_put_pair(eval_data) if eval_data else None,
-            device="cuda" if use_gpu else "cpu",
+            train=data.ship(train) if train else None, train_kind=train.kind if train else "stream",
+            eval=data.ship(eval_data) if eval_data else None, eval_kind=eval_data.kind if eval_data else "arrays",
+            device="cuda" if use_gpu else "cpu", seed=cfg.seed, loader_workers=_loader_workers(cfg),
             torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
         )
         spe = sampler.steps_per_epoch
@@ -114,8 +122,8 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
                          checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every, has_eval=eval_data is not None)
         run = _resumed(store) if cfg.resume else RunState()
         run = dataclasses.replace(run, warm_possible=ray_dataset is None)
-        pipeline = Pipeline(plan, sampler, cfg, len(eval_data[0]) if eval_data else 0)
-        final = Controller(cfg, spec, pipeline, store, run, ray_dataset).fit()
+        pipeline = Pipeline(plan, sampler, cfg, eval_data.length if eval_data else 0)
+        final = Controller(cfg, spec, pipeline, store, run, ray_dataset, announce).fit()
         # The driver's copy may be read-only object-store memory: hand the user tensors of their own.
         state = pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(final.newest.state))
         model.load_state_dict({**state.params, **state.buffers}, strict=False)
@@ -127,9 +135,11 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             ray.shutdown()
 
 
-def _put_pair(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:
-    """Both tensors into the object store as arrays (workers map them zero-copy); bfloat16 has no numpy twin."""
-    return tuple(ray.put(x.numpy() if x.dtype != torch.bfloat16 else x) for x in pair)  # type: ignore[return-value]
+def _loader_workers(cfg: FitConfig) -> int:
+    """Reading processes per worker: as set, else one per CPU the worker has beyond the one it computes on."""
+    if cfg.loader_workers is not None:
+        return cfg.loader_workers
+    return min(4, max(0, int(cfg.resources_per_worker.get("CPU", 1)) - 1))
 
 
 def _resumed(store: CheckpointStore) -> RunState:
@@ -148,17 +158,18 @@ def _is_ray_dataset(dataset: Any) -> bool:
 
 
 def _dry_run(model, loss_fn, optimizer, inputs, targets, cfg: FitConfig) -> None:
-    """One step on two samples in the driver: a data/model mismatch is caught before any actor starts."""
+    """One step on two in-memory samples in the driver: a data/model mismatch is caught before any actor starts."""
     step = make_train_step(model, loss_fn, optimizer)
+    two = pytree.map(lambda t: t[:2], (inputs, targets))
     try:
-        step(TrainState.create(model, optimizer, seed=cfg.seed), (inputs[:2], targets[:2]))
+        step(TrainState.create(model, optimizer, seed=cfg.seed), two)
     except TrainingError:
         raise
     except Exception as exc:
+        shapes = pytree.map(lambda t: f"{tuple(t.shape)} {t.dtype}", two)
         raise TrainingError(
-            f"the dataset's items do not fit the model or the loss: a step on two samples (inputs of shape "
-            f"{tuple(inputs[:2].shape)} {inputs.dtype}, targets {tuple(targets[:2].shape)} {targets.dtype}) "
-            f"raised {type(exc).__name__}: {exc}"
+            f"the dataset's items do not fit the model or the loss: a step on two samples (inputs {shapes[0]}, "
+            f"targets {shapes[1]}) raised {type(exc).__name__}: {exc}"
         ) from exc
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -68,6 +68,7 @@ class WorkerGroup:
         state: the state to start from (a checkpoint's), or ``None`` for the model's own.
         ray_dataset: a ``ray.data.Dataset`` and its columns, split over the ranks; else ``None``.
         place_timeout_s: a shorter deadline for placing the workers (restarts count capacity again sooner).
+        announce: says what the start is doing, a line at a time.
 
     Raises:
         CapacityError: the workers could not be placed or started within ``startup_timeout_s``.
@@ -75,7 +76,8 @@ class WorkerGroup:
     """
 
     def __init__(self, cfg: FitConfig, world: int, spec: WorkerSpec, state: Any,
-                 ray_dataset: tuple[Any, tuple[str, str]] | None = None, place_timeout_s: float | None = None) -> None:
+                 ray_dataset: tuple[Any, tuple[str, str]] | None = None, place_timeout_s: float | None = None,
+                 announce: Callable[[str], None] = lambda text: None) -> None:
         self.cfg = cfg
         self.world = world
         self.actors: list[Any] = []
@@ -86,6 +88,7 @@ class WorkerGroup:
         deadline = Deadline(cfg.startup_timeout_s, "startup_timeout_s")
         self.bundle = worker_bundle(cfg, spec.device == "cuda")
         try:
+            announce(f"placing {world} worker(s) of {self.bundle}")
             self._place(deadline.sooner(place_timeout_s or cfg.startup_timeout_s))
             self.bundles = list(range(world))  # placement-group bundle of each rank
             node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
@@ -98,13 +101,15 @@ class WorkerGroup:
                 env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 2**20))
                 env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**31 - 1))
             self._env, self._spec_ref = env, ray.put(spec)
+            announce(f"starting {world} worker(s) (each imports torch and unpickles the model and data)")
             self.actors = [self._spawn(i, i) for i in range(world)]
             self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", startup=True, first_call=True)
+            announce("joining MPI")
             members = comm.form(self.actors, timeout_s=max(1.0, deadline.remaining()), bucket_bytes=cfg.bucket_bytes,
                                 compression=cfg.compression)
             self.hosts = [host for _, _, host in members]
             self.state_ref = state if state is None else ray.put(state)
-            shards = ray_dataset[0].split(world, equal=True) if ray_dataset else [None] * world
+            shards = ray_dataset[0].streaming_split(world, equal=True) if ray_dataset else [None] * world
             columns = ray_dataset[1] if ray_dataset else None
             self.pids = self.gather([a.setup.remote(self.state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
                                     deadline, "setting up the workers", startup=True)
@@ -222,10 +227,17 @@ class WorkerGroup:
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
             if isinstance(cause, RaympiError) and not isinstance(cause, TrainingError):
                 raise cause from None
-            trace = re.sub(r"\x1b\[[0-9;]*m", "", getattr(exc, "traceback_str", "") or str(exc))
+            trace = _clean(getattr(exc, "traceback_str", "") or str(exc))
             error = TrainingError(f"{what}: {label} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}")
             raise Failed(self._failure(FailureKind.USER_ERROR, str(error).splitlines()[0], [rank], error)) from None
         except ray.exceptions.RayActorError as exc:
+            created = getattr(exc, "error_msg", "") or ""
+            if first_call and "creation task" in created and "Traceback" in created:  # __init__ raised: show it
+                trace = _clean(created)
+                hint = ("\nA module the model, loss, optimizer or dataset needs is not importable on the workers: make it "
+                        "importable on every node (ray.init(runtime_env={'working_dir': ...} or 'py_modules'))"
+                        if "No module named" in trace else "")
+                raise TrainingError(f"{what}: {label} failed to start:\n{trace}{hint}") from None
             if first_call and self._node_alive(rank):
                 raise TrainingError(
                     f"{what}: {label} died on a live node before it could run ({str(exc).splitlines()[0]}). "
@@ -252,3 +264,9 @@ class WorkerGroup:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def _clean(trace: str) -> str:
+    """A remote traceback without colour codes and without the ``^^^^`` marker lines."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", trace).splitlines()
+    return "\n".join(line for line in lines if line.strip(" ^~"))

@@ -81,6 +81,9 @@ class Hooks(Protocol):
     def save(self, state_ref: Any, step: int) -> Failure | None:
         """A checkpoint's state is ready; returns a planned stop to drain for, or None."""
 
+    def draining(self, stop: Failure) -> None:
+        """A planned stop was asked for: no new chunks until those in flight are done."""
+
 
 class Pipeline:
     """Runs chunks of steps on a group; returns ``None`` when done or the :class:`Failure` that stopped it."""
@@ -91,10 +94,11 @@ class Pipeline:
     def submit(self, group: Any, first: int, count: int) -> Chunk:
         """Send steps ``first+1 .. first+count`` to every rank (indices only)."""
         world = group.world
-        shards: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        shards: list[list[tuple[int, Any]]] = [[] for _ in range(world)]
         for s in range(first, first + count):
+            epoch = s // self.plan.steps_per_epoch
             for rank, part in enumerate(self.sampler.shards(s, world)):
-                shards[rank].append(part)
+                shards[rank].append((epoch, part))
         last = first + count
         chunk = Chunk(first, last, [a.run.remote(shards[r], self.cfg.batch_size) for r, a in enumerate(group.actors)])
         if self.plan.wants_eval(last):
@@ -114,12 +118,21 @@ class Pipeline:
         inflight: deque[Chunk] = deque()
         next_step, size, last_done = start, 1, time.monotonic()
         stop: Failure | None = None
+
+        def keep_first(new: Failure | None) -> Failure | None:
+            """The first stop asked for wins (a SIGTERM is never overtaken by a later grow, say)."""
+            if new is not None and stop is None:
+                hooks.draining(new)
+            return stop or new
+
         while next_step < plan.total or inflight:
-            stop = stop or stop_requested()
+            stop = keep_first(stop_requested())
             while len(inflight) < 2 and next_step < plan.total and stop is None:
                 count = min(size, plan.boundary(next_step) - next_step)
                 inflight.append(self.submit(group, next_step, count))
                 next_step += count
+            if not inflight:  # stopped before anything was sent (the SIGTERM came while starting)
+                return self._stopped(group, stop, next_step, hooks)
             chunk = inflight.popleft()
             # The first step of a new group also warms up autograd and MPI's connections: startup time.
             field = "startup_timeout_s" if chunk.first == start else "step_timeout_s"
@@ -138,22 +151,26 @@ class Pipeline:
                         "samples_per_s": cfg.batch_size * count / seconds, "world_size": group.world, "time": time.time()}
                        for k, m in enumerate(results[0]["metrics"])]
             if chunk.eval is not None:
-                deadline = Deadline(cfg.step_timeout_s, "step_timeout_s")
                 try:
-                    records[-1].update(group.gather(chunk.eval, deadline, "evaluation")[0])
+                    records[-1].update(group.gather(chunk.eval, Deadline(cfg.step_timeout_s, "step_timeout_s"), "evaluation")[0])
                 except Failed as failed:
+                    hooks.completed(chunk, records)  # the steps are done: the survivors' state is past them
                     return dataclasses.replace(failed.failure, chunks=tuple(inflight))
             preempted = [r for r, res in enumerate(results) if res["sigterm"]]
-            if preempted and stop is None:
-                stop = Failure(FailureKind.PREEMPTED, f"SIGTERM to rank(s) {preempted} (preemption)", ranks=tuple(preempted))
-            stop = hooks.completed(chunk, records) or stop
+            if preempted:
+                stop = keep_first(Failure(FailureKind.PREEMPTED, f"SIGTERM to rank(s) {preempted} (preemption)", ranks=tuple(preempted)))
+            stop = keep_first(hooks.completed(chunk, records))
             if chunk.state is not None:
-                stop = hooks.save(chunk.state, chunk.last) or stop
+                stop = keep_first(hooks.save(chunk.state, chunk.last))
             if stop is not None and not inflight and chunk.last < plan.total:
-                if stop.kind is not FailureKind.REPLACEMENT_READY and chunk.state is None:
-                    hooks.save(self.submit_state(group), chunk.last)  # planned stops lose no step
-                return stop
+                return self._stopped(group, stop, chunk.last, hooks, saved=chunk.state is not None)
         return None
+
+    def _stopped(self, group: Any, stop: Failure, step: int, hooks: Hooks, saved: bool = False) -> Failure:
+        """Nothing in flight: a planned stop takes a checkpoint of the step reached (so it loses none)."""
+        if stop.kind is not FailureKind.REPLACEMENT_READY and not saved:
+            hooks.save(self.submit_state(group), step)
+        return stop
 
     @staticmethod
     def submit_state(group: Any) -> Any:

@@ -34,6 +34,11 @@ class FailureKind(str, enum.Enum):
     REPLACEMENT_READY = "replacement_ready"  # a replacement started earlier can join now
 
     @property
+    def planned(self) -> bool:
+        """Stops that take a checkpoint of the step reached before anything else happens."""
+        return self in (FailureKind.PREEMPTED, FailureKind.DRIVER_SIGTERM, FailureKind.CAPACITY_BACK)
+
+    @property
     def counted(self) -> bool:
         """Whether it spends the ``max_restarts`` budget (infrastructure failures do, planned stops do not)."""
         return self in (FailureKind.WORKER_LOST, FailureKind.HUNG, FailureKind.COLLECTIVE, FailureKind.FORMATION)
@@ -145,7 +150,7 @@ def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decis
                                     f"{run.newest.path}: fit(..., resume=True) continues from it"))
     if kind is FailureKind.REPLACEMENT_READY:
         return Grow()
-    if kind in (FailureKind.PREEMPTED, FailureKind.CAPACITY_BACK):
+    if kind.planned:  # PREEMPTED, CAPACITY_BACK (DRIVER_SIGTERM was handled above)
         return Cold(planned=True)
     if run.failures >= config.max_restarts:
         newest = run.newest.path if run.newest else None

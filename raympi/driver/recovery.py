@@ -112,7 +112,7 @@ def cold(start_group: Callable[..., WorkerGroup], bundle: dict[str, float], fail
                 return group, _append(run, record, failure, history=run.until(step), start_step=step)
             except (CapacityError, FormationError, Failed) as error:  # a node went away meanwhile: count again
                 if isinstance(error, Failed) and error.failure.kind is FailureKind.USER_ERROR:
-                    raise
+                    raise error.failure.as_error() from None
                 last_error = error
                 # Ray may still count a cut-off node as alive: ask for one worker fewer next time
                 # (a later checkpoint grows the group back once the capacity is real).
@@ -124,12 +124,10 @@ def cold(start_group: Callable[..., WorkerGroup], bundle: dict[str, float], fail
                         f"The newest checkpoint is {newest}: fit(..., resume=True) continues from it")
 
 
-def grow(group: WorkerGroup, run: RunState, cfg: Any) -> RunState:
+def grow(group: WorkerGroup, failure: Failure, run: RunState, cfg: Any) -> RunState:
     """Take the replacements that are ready into the group (warm: rank 0's state by broadcast)."""
-    before, start = group.world, time.monotonic()
-    record = {"time": time.time(), "step": run.step, "ranks": [], "nodes": [], "cause": "replacement ready",
-              "kind": "replacement_ready", "phase": "recovering", "path": "warm", "world_before": before,
-              "restored_step": run.step, "steps_lost": 0}
-    group.reform(list(range(before)), 0, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
+    start = time.monotonic()
+    record = {**record_of(failure, run, group.world), "path": "warm", "restored_step": run.step, "steps_lost": 0}
+    group.reform(list(range(group.world)), 0, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
     record.update(world_after=group.world, recovery_s=time.monotonic() - start)
-    return _append(run, record, None)
+    return _append(run, record, failure)

@@ -7,7 +7,24 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "write_plot", "write_jsonl"]
+__all__ = ["Announcer", "Progress", "write_plot", "write_jsonl"]
+
+
+class Announcer:
+    """Says what a slow start is doing ("starting 2 workers", "joining MPI"), one line each, with the time since the first.
+
+    Quiet when ``enabled`` is False (``progress=False``).
+    """
+
+    def __init__(self, enabled: bool | None, stream: TextIO | None = None) -> None:
+        self.quiet = enabled is False
+        self.stream = stream or sys.stderr
+        self.start = time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        if not self.quiet:
+            self.stream.write(f"raympi: [{time.monotonic() - self.start:5.1f} s] {text}\n")
+            self.stream.flush()
 
 
 class Progress:

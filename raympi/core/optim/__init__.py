@@ -35,7 +35,9 @@ point.
 
 Layout, as optax's ``_src``: :mod:`~raympi.core.optim.base` (the interface,
 :func:`apply_gradients`, :func:`chain`), :mod:`~raympi.core.optim.transform`
-(building blocks such as :func:`clip_by_global_norm`),
+(building blocks: :func:`clip_by_global_norm`, :func:`scale_by_adam`,
+:func:`add_decayed_weights`, :func:`scale_by_learning_rate`, from which
+``adam`` and ``adamw`` can be rebuilt as chains),
 :mod:`~raympi.core.optim.alias` (the optimizers) and
 :mod:`~raympi.core.optim.schedule` (learning-rate schedules).
 
@@ -58,9 +60,15 @@ from raympi.core.optim.base import (
     chain,
 )
 from raympi.core.optim.schedule import constant, cosine_decay, linear_warmup
-from raympi.core.optim.transform import clip_by_global_norm
+from raympi.core.optim.transform import (
+    add_decayed_weights,
+    clip_by_global_norm,
+    scale_by_adam,
+    scale_by_learning_rate,
+)
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "apply_updates", "apply_gradients", "chain",
     "sgd", "adam", "adamw", "clip_by_global_norm", "from_torch", "constant", "cosine_decay", "linear_warmup",
+    "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate",
 ]

@@ -16,6 +16,9 @@ from raympi.core import pytree
 from raympi.core.optim.base import (
     GradientTransformation,
     ScalarOrSchedule,
+    _adam_init,
+    _adam_moments,
+    _check_betas,
     _check_nonneg,
     _from_fused,
     _lr_at,
@@ -93,15 +96,7 @@ def _adam(
     b1, b2 = betas
     _check_nonneg("lr", lr)
     _check_nonneg("weight_decay", weight_decay)
-    if not (0 <= b1 < 1 and 0 <= b2 < 1):
-        raise ValueError(f"betas must lie in [0, 1), got {betas}")
-
-    def init(params):
-        return {
-            "count": _new_count(),
-            "mu": pytree.map(torch.zeros_like, params),
-            "nu": pytree.map(torch.zeros_like, params),
-        }
+    _check_betas(b1, b2)
 
     def fused_apply(grads, state, params, donate=False):
         g, spec = pytree.flatten(grads)
@@ -111,18 +106,9 @@ def _adam(
         t = int(count)
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
-        mu, nu = pytree.leaves(state["mu"]), pytree.leaves(state["nu"])
-        if donate:
-            torch._foreach_lerp_(mu, g, 1 - b1)
-        else:
-            mu = list(torch._foreach_lerp(mu, g, 1 - b1))
-        nu = _scale(nu, b2, donate)
-        torch._foreach_addcmul_(nu, g, g, value=1 - b2)  # nu is fresh or donated
-        # Bias corrections as Python floats, as torch does when not capturable.
-        bc1, bc2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
-        denom = torch._foreach_sqrt(nu)
-        torch._foreach_div_(denom, bc2_sqrt)
-        torch._foreach_add_(denom, eps)
+        mu, nu, denom, bc1 = _adam_moments(
+            g, pytree.leaves(state["mu"]), pytree.leaves(state["nu"]), b1, b2, eps, t, donate
+        )
         if weight_decay and decoupled:
             new = _scale(p, 1 - value * weight_decay, donate)
             torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
@@ -134,7 +120,7 @@ def _adam(
         new_state = {"count": count, "mu": pytree.unflatten(mu, spec), "nu": pytree.unflatten(nu, spec)}
         return pytree.unflatten(new, spec), new_state
 
-    return _from_fused(init, fused_apply)
+    return _from_fused(_adam_init, fused_apply)
 
 
 def adam(

@@ -69,6 +69,40 @@ def _check_nonneg(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+def _check_betas(b1: float, b2: float) -> None:
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ValueError(f"betas must lie in [0, 1), got {(b1, b2)}")
+
+
+def _adam_init(params: Params) -> OptState:
+    """The state of Adam and its kin: ``{"count", "mu", "nu"}``, moments zero."""
+    return {"count": _new_count(), "mu": pytree.map(torch.zeros_like, params), "nu": pytree.map(torch.zeros_like, params)}
+
+
+def _adam_moments(
+    g: list[torch.Tensor], mu: list[torch.Tensor], nu: list[torch.Tensor],
+    b1: float, b2: float, eps: float, t: int, donate: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], float]:
+    """Adam's step ``t`` (from 1) as ``torch.optim.Adam`` computes it: ``(mu, nu, denom, 1 - b1**t)``.
+
+    ``denom = sqrt(nu) / sqrt(1 - b2**t) + eps``; the step is then
+    ``(mu / denom) / (1 - b1**t)``.  ``mu`` and ``nu`` are updated in place
+    when donated, else copied.
+    """
+    if donate:
+        torch._foreach_lerp_(mu, g, 1 - b1)
+    else:
+        mu = list(torch._foreach_lerp(mu, g, 1 - b1))
+    nu = _scale(nu, b2, donate)
+    torch._foreach_addcmul_(nu, g, g, value=1 - b2)  # nu is fresh or donated
+    # Bias corrections as Python floats, as torch does when not capturable.
+    bc1, bc2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
+    denom = torch._foreach_sqrt(nu)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    return mu, nu, denom, bc1
+
+
 def _from_fused(init: Callable[[Params], OptState], fused: FusedApply) -> GradientTransformation:
     """A transformation defined by its fused form; ``update`` returns ``new - params``."""
 

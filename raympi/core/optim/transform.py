@@ -1,8 +1,17 @@
 """Gradient transformations that are building blocks rather than whole optimizers.
 
-Put in front of an optimizer with :func:`~raympi.core.optim.chain` (as
-optax's ``_src/transform.py``): they rewrite the gradient tree and keep their
-own small state.  Today that is :func:`clip_by_global_norm`.
+Combined with :func:`~raympi.core.optim.chain` (as optax's
+``_src/transform.py``), each rewrites the update tree and keeps its own small
+state.  :func:`clip_by_global_norm` goes in front of an optimizer;
+:func:`scale_by_adam`, :func:`add_decayed_weights` and
+:func:`scale_by_learning_rate` are the pieces of the Adam family of
+:mod:`~raympi.core.optim.alias`, up to rounding::
+
+    chain(scale_by_adam(), scale_by_learning_rate(lr))                           # adam(lr)
+    chain(scale_by_adam(), add_decayed_weights(wd), scale_by_learning_rate(lr))  # adamw(lr, weight_decay=wd)
+
+The aliases stay the faster way to run those two (fused, with donation);
+the pieces are for building variants.
 """
 
 from __future__ import annotations
@@ -10,9 +19,10 @@ from __future__ import annotations
 import torch
 
 from raympi.core import pytree
-from raympi.core.optim.base import GradientTransformation
+from raympi.core.optim.base import GradientTransformation, ScalarOrSchedule
+from raympi.core.optim.base import _adam_init, _adam_moments, _check_betas, _check_nonneg, _lr_at, _new_count
 
-__all__ = ["clip_by_global_norm"]
+__all__ = ["clip_by_global_norm", "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate"]
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -46,5 +56,109 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return pytree.unflatten(list(torch._foreach_mul(g, coef)), spec), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Rescale the gradients by Adam's moment estimates, without the learning rate.
+
+    Updates ``m_hat / (sqrt(v_hat) + eps)``, with ``m_hat`` and ``v_hat`` the
+    bias-corrected first and second moments, computed with the operations
+    of ``torch.optim.Adam`` (and of :func:`~raympi.core.optim.adam`).
+    Follow it with :func:`scale_by_learning_rate`.  State:
+    ``{"count", "mu", "nu"}``, as :func:`~raympi.core.optim.adam`'s.
+
+    Args:
+        b1: decay rate of the first moment.
+        b2: decay rate of the second moment.
+        eps: added to the denominator for stability.
+
+    Returns:
+        A :class:`GradientTransformation` (no ``fused_apply``).
+
+    Example:
+        >>> from raympi.core import optim
+        >>> opt = optim.chain(scale_by_adam(b2=0.95), optim.scale_by_learning_rate(3e-4))
+    """
+    _check_betas(b1, b2)
+
+    def update(grads, state, params=None):
+        g, spec = pytree.flatten(grads)
+        count = state["count"] + 1
+        mu, nu, denom, bc1 = _adam_moments(
+            g, pytree.leaves(state["mu"]), pytree.leaves(state["nu"]), b1, b2, eps, int(count), False
+        )
+        updates = torch._foreach_div(mu, denom)
+        torch._foreach_div_(updates, bc1)
+        new_state = {"count": count, "mu": pytree.unflatten(mu, spec), "nu": pytree.unflatten(nu, spec)}
+        return pytree.unflatten(list(updates), spec), new_state
+
+    return GradientTransformation(_adam_init, update)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """Add ``weight_decay * params`` to the updates.
+
+    Placed between :func:`scale_by_adam` and :func:`scale_by_learning_rate`
+    it makes the step ``-lr * (adam + wd * p)``, i.e. AdamW's decoupled
+    ``p *= 1 - lr * wd`` (:func:`~raympi.core.optim.adamw`); placed before
+    :func:`scale_by_adam` it would be L2 on the gradient instead
+    (:func:`~raympi.core.optim.adam` with ``weight_decay``).  Stateless (``{}``).
+    Torch rounds ``1 - lr * wd`` to float32 every step and this chain does
+    not, so the two drift apart by about 1e-8 (relative) per step; use
+    :func:`~raympi.core.optim.adamw` for torch's exact arithmetic.
+
+    Args:
+        weight_decay: the factor, >= 0.
+
+    Returns:
+        A :class:`GradientTransformation`; its ``update`` needs ``params``.
+
+    Example:
+        >>> from raympi.core import optim
+        >>> opt = optim.chain(optim.scale_by_adam(), add_decayed_weights(0.1), optim.scale_by_learning_rate(1e-3))
+    """
+    _check_nonneg("weight_decay", weight_decay)
+
+    def init(params):
+        return {}
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
+        if not weight_decay:
+            return grads, state
+        u, spec = pytree.flatten(grads)
+        return pytree.unflatten(list(torch._foreach_add(u, pytree.leaves(params), alpha=weight_decay)), spec), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
+    """Multiply the updates by ``-lr``: the descent step that ends a :func:`chain`.
+
+    With a schedule, step ``k`` (from 0) uses ``lr(k)``, counted in this
+    transformation's state ``{"count"}`` (a CPU counter, as the aliases').
+
+    Args:
+        lr: learning rate, a float or a schedule.
+
+    Returns:
+        A :class:`GradientTransformation`.
+
+    Example:
+        >>> from raympi.core import optim
+        >>> opt = optim.chain(optim.scale_by_adam(), scale_by_learning_rate(optim.cosine_decay(1e-3, 1000)))
+    """
+    _check_nonneg("lr", lr)
+
+    def init(params):
+        return {"count": _new_count()}
+
+    def update(grads, state, params=None):
+        u, spec = pytree.flatten(grads)
+        value = _lr_at(lr, state["count"])
+        return pytree.unflatten(list(torch._foreach_mul(u, -value)), spec), {"count": state["count"] + 1}
 
     return GradientTransformation(init, update)

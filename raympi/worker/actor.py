@@ -1,8 +1,9 @@
 """Layer 3: the Ray actor that is one rank.
 
-A :class:`Worker` holds its rank's model template, ``TrainState``, the shared
-dataset (shipped once through Ray's object store) and its MPI communicator, and
-runs a chunk of steps per call: the driver sends only sample indices.
+A :class:`Worker` holds its rank's model template, ``TrainState``, its data source (arrays or the
+user's Dataset, shipped once through Ray's object store and read here; or its part of a Ray Data
+stream) and its MPI communicator, and runs a chunk of steps per call: the driver sends only
+sample indices.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from raympi.core.state import TrainState
 from raympi.core.batch import correct_predictions
 from raympi.core.step import make_eval_step, make_train_step
 from raympi.exceptions import CollectiveAborted
+from raympi.worker.sources import ArraySource, DatasetSource, StreamSource, arrays_from_refs
 
 __all__ = ["Worker", "WorkerSpec", "accuracy", "to_tensors"]
 
@@ -36,13 +38,8 @@ def accuracy(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     return torch.tensor(float("nan")) if correct is None else correct.double() / max(1, targets.shape[0])
 
 
-def _get_pair(refs: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    # The object store's arrays are read-only (zero-copy); we only gather from them.
-    return tuple(x if isinstance(x, torch.Tensor) else pytree.from_arrays(np.asarray(x)) for x in ray.get(list(refs)))  # type: ignore[return-value]
-
-
 def to_tensors(dataset: Any, columns: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Materialize a (shard of a) ``ray.data.Dataset`` as an (inputs, targets) pair of tensors."""
+    """Materialize a (small) ``ray.data.Dataset`` as an (inputs, targets) pair of tensors."""
     batch = dataset.take_batch(batch_size=max(1, dataset.count()), batch_format="numpy")
     return tuple(torch.from_numpy(np.array(batch[c])) for c in columns)  # type: ignore[return-value]  # a writable copy
 
@@ -55,19 +52,29 @@ class WorkerSpec:
         model: the module (a template: its tensors become the state).
         loss_fn: ``loss_fn(outputs, targets)`` -> mean over the samples given.
         optimizer: a :mod:`raympi.optim` transform.
-        train: ``(inputs, targets)`` object refs of arrays, or ``None`` (a Ray Dataset shard comes in ``setup``).
-        eval: ``(inputs, targets)`` object refs of the evaluation set, or ``None``.
+        train: ``(inputs, targets)``, a tree of object refs of arrays (``train_kind="arrays"``); the
+            object ref of a map-style Dataset (``"dataset"``); or ``None`` (``"stream"``: the rank's
+            part of a Ray Dataset comes in :meth:`Worker.setup`).
+        train_kind: ``"arrays"``, ``"dataset"`` or ``"stream"``.
+        eval: the evaluation set, as ``train`` (``"arrays"`` or ``"dataset"``), or ``None``.
+        eval_kind: ``"arrays"`` or ``"dataset"``.
         device: ``"cpu"`` or ``"cuda"``.
         torch_threads: torch threads of this worker.
+        seed: the run's seed (data augmentation is seeded per sample from it).
+        loader_workers: processes reading a Dataset ahead of the step (0: read in the step's thread).
     """
 
     model: torch.nn.Module
     loss_fn: Callable[..., Any]
     optimizer: Any
-    train: tuple[Any, Any] | None = None
-    eval: tuple[Any, Any] | None = None
+    train: Any = None
+    train_kind: str = "arrays"
+    eval: Any = None
+    eval_kind: str = "arrays"
     device: str = "cpu"
     torch_threads: int = 1
+    seed: int = 0
+    loader_workers: int = 0
 
 
 class Worker(comm.Member):
@@ -81,9 +88,9 @@ class Worker(comm.Member):
         self.model = spec.model.to(self.device)
         self.loss_fn = spec.loss_fn
         self.optimizer = spec.optimizer
-        # The arrays live in Ray's object store: ray.get maps them zero-copy, shared per node.
-        self.inputs, self.targets = _get_pair(spec.train) if spec.train else (None, None)
-        self.eval_data = _get_pair(spec.eval) if spec.eval else None
+        # Before MPI starts: a Dataset's loader forks its reading processes here.
+        self.source: Any = _source(spec.train, spec.train_kind, spec) if spec.train_kind != "stream" else None
+        self.eval_source: Any = _source(spec.eval, spec.eval_kind, spec, loader_workers=0) if spec.eval is not None else None
         self.state: TrainState | None = None
         # A spot reclaim sends SIGTERM: note it, finish the chunk, and let the driver take a checkpoint
         # and re-form the group without this rank (it kills us then).
@@ -96,10 +103,10 @@ class Worker(comm.Member):
     def setup(self, state: dict[str, Any] | None, seed: int, shard: Any = None, columns: tuple[str, str] | None = None) -> int:
         """Build the step functions over the communicator; start from ``state`` or from the model.
 
-        ``shard``: this rank's part of a ``ray.data.Dataset`` (then step indices refer to it).
+        ``shard``: this rank's stream of a ``ray.data.Dataset`` (``streaming_split``).
         """
         if shard is not None:
-            self.inputs, self.targets = to_tensors(shard, columns)
+            self.source = StreamSource(shard, columns)
         assert self.comm is not None and self.comm.rank == self.rank, "form the communicator first"
         self._build_steps()
         state_tree = TrainState.create(self.model, self.optimizer, seed=seed) if state is None else TrainState.from_dict(state)
@@ -112,6 +119,7 @@ class Worker(comm.Member):
         Returns the step of the state now held.
         """
         self.rank = self.comm.rank
+        self.source.drop()  # batches fed for the abandoned steps
         self._build_steps()
         tree = self.comm.broadcast(self.state.to_dict() if self.rank == root else None, root=root)
         self._own(TrainState.from_dict(tree))
@@ -128,11 +136,13 @@ class Worker(comm.Member):
         # what came through Ray may be read-only object-store memory.
         self.state = pytree.map(lambda t: t.to(self.device).clone() if isinstance(t, torch.Tensor) else t, state)
 
-    def _batch(self, inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return inputs[index].to(self.device, non_blocking=True), targets[index].to(self.device, non_blocking=True)
+    def _to_device(self, batch: Any) -> Any:
+        if self.device.type == "cpu":
+            return batch
+        return pytree.map(lambda t: t.pin_memory().to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
-    def run(self, shards: list[torch.Tensor], global_batch_size: int) -> dict[str, Any]:
-        """Take one step per entry of ``shards`` (this rank's sample indices).
+    def run(self, steps: list[tuple[int, Any]], global_batch_size: int) -> dict[str, Any]:
+        """Take one step per entry of ``steps``: ``(epoch, this rank's sample indices)``.
 
         Returns ``{"metrics": [...], "step": int, "aborted": bool, "sigterm": bool}``. A step whose
         collective is abandoned (the driver's :meth:`abort`, or MPI reporting a lost peer) leaves the
@@ -141,11 +151,14 @@ class Worker(comm.Member):
         history: list[dict[str, Any]] = []
         MPI = library.require()
         aborted = False
-        for index in shards:
+        self.source.feed(steps)
+        for _ in steps:
+            batch = self._to_device(self.source.next())
             try:
-                self.state, metrics = self.train_step(self.state, self._batch(self.inputs, self.targets, index), global_batch_size)
+                self.state, metrics = self.train_step(self.state, batch, global_batch_size)
             except (CollectiveAborted, MPI.Exception):
                 aborted = True
+                self.source.drop()
                 break
             history.append(metrics)
         return {"metrics": history, "step": int(self.state.step), "aborted": aborted, "sigterm": self.sigterm}
@@ -155,7 +168,7 @@ class Worker(comm.Member):
         totals = {"loss": 0.0, "accuracy": 0.0, "samples": 0.0}  # accuracy: NaN for regression
         for chunk in torch.split(index, EVAL_BATCH):
             if len(chunk):
-                for k, v in self.eval_step(self.state, self._batch(*self.eval_data, chunk)).items():
+                for k, v in self.eval_step(self.state, self._to_device(self.eval_source.read(chunk))).items():
                     totals[k] += v
         summed = self.comm.allreduce_([torch.tensor(list(totals.values()), dtype=torch.float64)])[0].tolist()
         loss, correct, samples = summed
@@ -181,6 +194,13 @@ class Worker(comm.Member):
         On CPU they are the live ones; Ray serializes the return value before the next step runs.
         """
         return pytree.to_arrays(_tree_to(self.state, torch.device("cpu")).to_dict())
+
+
+def _source(data: Any, kind: str, spec: WorkerSpec, loader_workers: int | None = None) -> Any:
+    if kind == "arrays":  # in Ray's object store: ray.get maps them zero-copy, shared per node
+        return ArraySource(arrays_from_refs(data))
+    dataset = ray.get(data) if isinstance(data, ray.ObjectRef) else data
+    return DatasetSource(dataset, spec.seed, spec.loader_workers if loader_workers is None else loader_workers)
 
 
 def _tree_to(state: TrainState, device: torch.device) -> TrainState:
