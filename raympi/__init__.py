@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from raympi import comm
-from raympi.core import TrainState, make_eval_step, make_train_step, optim
+from raympi.core import LossScaling, TrainState, make_eval_step, make_train_step, optim
 from raympi.exceptions import (
     CapacityError, ConfigError, FormationError, MPIUnavailableError, NonFiniteLossError, PreemptedError, RaympiError,
     RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError,
@@ -24,15 +24,17 @@ _DRIVER = {"fit": "fit", "Result": "fit", "FitConfig": "config", "MPIConfig": "c
 
 
 def __getattr__(name: str) -> Any:
-    if name in _DRIVER:
-        import importlib
+    import importlib
 
+    if name == "callbacks":
+        return importlib.import_module("raympi.driver.callbacks")
+    if name in _DRIVER:
         return getattr(importlib.import_module(f"raympi.driver.{_DRIVER[name]}"), name)
     raise AttributeError(f"module 'raympi' has no attribute {name!r}")
 
 
 __all__ = [
-    "CapacityError", "ConfigError", "FitConfig", "FormationError", "MPIConfig", "MPIUnavailableError", "NonFiniteLossError",
+    "CapacityError", "ConfigError", "FitConfig", "LossScaling", "FormationError", "MPIConfig", "MPIUnavailableError", "NonFiniteLossError",
     "PreemptedError", "RaympiError", "RestartsExhaustedError", "Result", "StepTimeoutError", "TrainState", "TrainingError",
-    "WorkerLostError", "__version__", "comm", "fit", "load_checkpoint", "make_eval_step", "make_train_step", "optim",
+    "WorkerLostError", "__version__", "callbacks", "comm", "fit", "load_checkpoint", "make_eval_step", "make_train_step", "optim",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import sys
 import threading
 import time
 from unittest import mock
@@ -16,6 +17,7 @@ from unittest import mock
 import psutil
 import pytest
 import torch
+from ray import cloudpickle
 from torch import nn
 
 import raympi
@@ -175,6 +177,33 @@ def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, si
     if sig == signal.SIGSTOP:
         assert "step_timeout_s=4" in record["cause"] and len(record["ranks"]) == 1  # the stopped rank, found by ping
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """_data() with a random-noise augmentation drawn from torch's global generator (as torchvision's are)."""
+
+    def __init__(self) -> None:
+        self.x, self.y = _data()
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(20), self.y[i]
+
+
+def test_killed_worker_with_random_augmentation_ends_on_the_uninterrupted_run(cluster, tmp_path):
+    """The augmentation of each sample is seeded per (seed, epoch, sample): a restart replays it exactly."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+    options = {**OPTIONS, "epochs": 2}
+    base = raympi.fit(_net(), NoisyData(), workers=3, checkpoint_dir=str(tmp_path / "base"), **options)
+    folder = tmp_path / "ck"
+    _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGKILL))
+    result = raympi.fit(_net(), NoisyData(), workers=3, checkpoint_dir=str(folder), **options)
+    assert [r["kind"] for r in result.restarts] == ["worker_lost"], result.restarts
+    assert _max_diff(result.state, base.state) < 1e-4
+    plain = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(tmp_path / "plain"), **options)
+    assert _max_diff(plain.state, base.state) > 1e-3  # the augmentation did change the training
 
 
 def test_user_exception_fails_fast_without_restart(cluster, tmp_path):

@@ -208,6 +208,33 @@ def test_ray_dataset_is_split_per_rank_by_ray_data(ray_session, fashion, tmp_pat
         _fit(ds, tmp_path, "rd2", workers=2, columns=("img", "label"))
 
 
+def test_ray_dataset_streams_and_resumes_exactly_with_preserve_order(ray_session, tmp_path):
+    """A Ray Dataset is streamed per rank; with preserve_order its order is fixed, so a resumed run
+    (the interrupted epoch re-streamed and skipped to the cursor) ends on the uninterrupted run."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    saved, context.execution_options.preserve_order = context.execution_options.preserve_order, True
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(512, 6, generator=g)
+        ds = ray.data.from_numpy(x.numpy()).zip(ray.data.from_numpy((x[:, 0] > 0).long().numpy()).rename_columns({"data": "label"}))
+
+        def net():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+
+        opts = dict(workers=2, epochs=2, batch_size=32, progress=False, optimizer=raympi.optim.sgd(0.1), columns=("data", "label"))
+        whole = raympi.fit(net(), ds, checkpoint_dir=str(tmp_path / "whole"), **opts)
+        raympi.fit(net(), ds, checkpoint_dir=str(tmp_path / "cut"), max_steps=11, **opts)
+        resumed = raympi.fit(net(), ds, checkpoint_dir=str(tmp_path / "cut"), resume=True, **opts)
+    finally:
+        context.execution_options.preserve_order = saved
+    assert [r["step"] for r in resumed.metrics] == list(range(1, 33))
+    diff = max((whole.state.params[k] - resumed.state.params[k]).abs().max().item() for k in whole.state.params)
+    assert diff < 1e-6
+
+
 def test_regression_reports_no_accuracy(ray_session, tmp_path):
     """MSE on float targets: loss and eval_loss only; accuracy does not apply (and is not reported as 0)."""
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from raympi.core import optim
+from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError
 
@@ -101,3 +102,28 @@ def test_pytree_round_trip(name):
 def test_from_dict_rejects_foreign_dicts():
     with pytest.raises(ValueError, match="missing"):
         TrainState.from_dict({"params": {}})
+
+
+def test_create_with_loss_scaling_and_round_trip(tmp_path):
+    state = TrainState.create(_model(), optim.sgd(0.1), loss_scaling=LossScaling(init_scale=2.0**8))
+    assert state.loss_scale["scale"].dtype == torch.float32 and float(state.loss_scale["scale"]) == 256.0
+    assert state.loss_scale["growth_tracker"].dtype == torch.int64 and int(state.loss_scale["growth_tracker"]) == 0
+    assert TrainState.create(_model(), optim.sgd(0.1)).loss_scale == {}
+    torch.save(state.to_dict(), tmp_path / "state.pt")
+    loaded = TrainState.from_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert _equal_trees(loaded, state)
+    leaves, spec = pytree.tree_flatten(state)
+    assert all(isinstance(x, torch.Tensor) for x in leaves)
+    assert _equal_trees(pytree.tree_unflatten(leaves, spec), state)
+
+
+def test_old_format_dicts_still_load(tmp_path):
+    """A checkpoint written before ``loss_scale`` existed: the five original fields only."""
+    state = _stepped_state(optim.adamw(1e-3))
+    old = {k: v for k, v in state.to_dict().items() if k != "loss_scale"}
+    assert set(old) == {"params", "buffers", "opt_state", "step", "rng_seed"}
+    torch.save(old, tmp_path / "old.pt")
+    loaded = TrainState.from_dict(torch.load(tmp_path / "old.pt", weights_only=True))
+    assert loaded.loss_scale == {} and _equal_trees(loaded, state)
+    with pytest.raises(ValueError, match="unknown"):
+        TrainState.from_dict({**state.to_dict(), "scaler": {}})

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raympi.core import optim, pytree
+from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
 from raympi.core.step import _step_seed, make_eval_step, make_train_step
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
@@ -109,34 +110,20 @@ class _ThreadAllreduce:
         return grad_sync
 
 
-def _train_split(sizes: list[int], steps: int = 20):
-    """Train on the same global batches split as ``sizes``; one thread per rank."""
-    world, total = len(sizes), sum(sizes)
+def _run_ranks(world: int, rank_main):
+    """Run ``rank_main(rank, grad_sync)`` for each simulated rank in its own thread; return their results."""
     allreduce = _ThreadAllreduce(world)
     results: list = [None] * world
     errors: list = []
-    # Each rank its own module (functional_call swaps module attributes), built
-    # here: initialising in the threads would race on the global RNG.
-    models = [_mlp() for _ in range(world)]
 
-    def rank_main(rank: int):
+    def run(rank: int):
         try:
-            model = models[rank]
-            opt = optim.adam(1e-2)
-            state = TrainState.create(model, opt)
-            step_fn = make_train_step(model, F.cross_entropy, opt, grad_sync=allreduce.for_rank(rank), rank=rank)
-            lo = sum(sizes[:rank])
-            history = []
-            for step in range(steps):
-                x, y = _batch(step, total)
-                state, metrics = step_fn(state, (x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]), total)
-                history.append(metrics)
-            results[rank] = (state, history)
+            results[rank] = rank_main(rank, allreduce.for_rank(rank))
         except BaseException as e:  # surface thread failures in the test
             errors.append(e)
             allreduce.barrier.abort()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -144,6 +131,29 @@ def _train_split(sizes: list[int], steps: int = 20):
     if errors:
         raise errors[0]
     return results
+
+
+def _train_split(sizes: list[int], steps: int = 20):
+    """Train on the same global batches split as ``sizes``; one thread per rank."""
+    world, total = len(sizes), sum(sizes)
+    # Each rank its own module (functional_call swaps module attributes), built
+    # here: initialising in the threads would race on the global RNG.
+    models = [_mlp() for _ in range(world)]
+
+    def rank_main(rank: int, grad_sync):
+        model = models[rank]
+        opt = optim.adam(1e-2)
+        state = TrainState.create(model, opt)
+        step_fn = make_train_step(model, F.cross_entropy, opt, grad_sync=grad_sync, rank=rank)
+        lo = sum(sizes[:rank])
+        history = []
+        for step in range(steps):
+            x, y = _batch(step, total)
+            state, metrics = step_fn(state, (x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]), total)
+            history.append(metrics)
+        return state, history
+
+    return _run_ranks(world, rank_main)
 
 
 def test_global_batch_rule_any_split_same_update():
@@ -186,6 +196,56 @@ def test_global_batch_size_must_match_the_samples():
     step_fn = make_train_step(model, F.cross_entropy, optim.sgd(0.1))
     with pytest.raises(TrainingError, match="global_batch_size is 48"):
         step_fn(state, _batch(0), 48)
+
+
+def _abs_output(outputs, targets):
+    return outputs.abs().mean()
+
+
+def _true_class_prob(outputs, targets):
+    return outputs.softmax(1).gather(1, targets[:, None]).mean()
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_user_metrics_are_global_means(accumulate):
+    """Two simulated ranks of 5 and 11 samples: each metric is the mean over all 16, computed by hand."""
+    sizes, total = [5, 11], 16
+    x, y = _batch(3, total)
+    models = [_mlp() for _ in sizes]
+    fns = {"abs_out": _abs_output, "p_true": _true_class_prob}
+
+    def rank_main(rank: int, grad_sync):
+        opt = optim.sgd(0.1)
+        step_fn = make_train_step(models[rank], F.cross_entropy, opt, grad_sync=grad_sync, rank=rank,
+                                  accumulate=accumulate, metrics=fns)
+        lo = sum(sizes[:rank])
+        return step_fn(TrainState.create(models[rank], opt), (x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]), total)[1]
+
+    m0, m1 = _run_ranks(2, rank_main)
+    assert m0 == m1
+    with torch.no_grad():
+        out = _mlp()(x)  # the metrics see the forward before the update
+    assert set(m0) == {"loss", "accuracy", "samples", "abs_out", "p_true"}
+    assert m0["abs_out"] == pytest.approx(out.abs().mean().item(), rel=1e-6)
+    assert m0["p_true"] == pytest.approx(out.softmax(1)[torch.arange(total), y].mean().item(), rel=1e-6)
+    assert m0["loss"] == pytest.approx(F.cross_entropy(out, y).item(), rel=1e-6)
+
+
+def test_user_accuracy_replaces_the_automatic_one_and_names_are_checked():
+    model = _mlp()
+    opt = optim.sgd(0.1)
+    state = TrainState.create(model, opt)
+    top2 = lambda o, t: (o.topk(2, 1).indices == t[:, None]).any(1).float().mean()  # noqa: E731
+    _, m = make_train_step(model, F.cross_entropy, opt, metrics={"accuracy": top2})(state, _batch(0))
+    with torch.no_grad():
+        out = model(_batch(0)[0])
+    assert m["accuracy"] == pytest.approx(top2(out, _batch(0)[1]).item())
+    for name in ("loss", "samples", "skipped", "loss_scale"):
+        with pytest.raises(ConfigError, match=name):
+            make_train_step(model, F.cross_entropy, opt, metrics={name: top2})
+    bad = make_train_step(model, F.cross_entropy, opt, metrics={"per_sample": lambda o, t: o.sum(1)})
+    with pytest.raises(TrainingError, match="'per_sample' must return a scalar"):
+        bad(state, _batch(0))
 
 
 # --------------------------------------------------------------------------- purity
@@ -240,15 +300,18 @@ def test_seed_changes_dropout():
 # --------------------------------------------------------------------------- batch forms and eval
 
 
+class TwoInputs(nn.Module):
+    """``model(x, scale)``: a batched input and a 0-d one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(10, 4)
+
+    def forward(self, x, scale):
+        return self.lin(x) * scale
+
+
 def test_batch_forms():
-    class TwoInputs(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(10, 4)
-
-        def forward(self, x, scale):
-            return self.lin(x) * scale
-
     model = TwoInputs()
     opt = optim.sgd(0.1)
     state = TrainState.create(model, opt)
@@ -363,9 +426,21 @@ def test_state_of_another_model():
         step_fn(TrainState.create(nn.Linear(10, 4), opt), _batch(0))
 
 
-def test_bad_on_nonfinite():
-    with pytest.raises(ConfigError, match="on_nonfinite"):
-        make_train_step(_mlp(), F.cross_entropy, optim.sgd(0.1), on_nonfinite="ignore")
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"on_nonfinite": "ignore"}, "on_nonfinite"),
+        ({"precision": "fp8"}, "precision"),
+        ({"precision": "bf16", "loss_scaling": LossScaling()}, "only used with precision='fp16'"),
+        ({"precision": "fp16", "loss_scaling": LossScaling(growth_factor=0.5)}, "growth_factor"),
+        ({"precision": "fp16", "loss_scaling": LossScaling(growth_interval=0)}, "growth_interval"),
+        ({"accumulate": 0}, "accumulate"),
+        ({"accumulate": 2.0}, "accumulate"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        make_train_step(_mlp(), F.cross_entropy, optim.sgd(0.1), **kwargs)
 
 
 def _nan_loss(outputs, targets):
@@ -385,11 +460,11 @@ def test_nan_loss_skip_keeps_state():
     opt = optim.sgd(0.1, momentum=0.9)
     state = TrainState.create(model, opt)
     new, metrics = make_train_step(model, _nan_loss, opt, on_nonfinite="skip")(state, _batch(0))
-    assert metrics["nonfinite"] is True
+    assert metrics["nonfinite"] is True and metrics["skipped"] == 1
     assert int(new.step) == 1
     _assert_identical(new.replace(step=state.step), state)
     _, ok = make_train_step(model, F.cross_entropy, opt, on_nonfinite="skip")(state, _batch(0))
-    assert ok["nonfinite"] is False
+    assert ok["nonfinite"] is False and ok["skipped"] == 0
 
 
 def test_benchmark_quick_runs():

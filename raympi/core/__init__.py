@@ -4,7 +4,8 @@ Runs in one process with torch alone: nothing under ``raympi.core`` imports Ray 
 """
 
 from raympi.core import optim, pytree
+from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
 from raympi.core.step import make_eval_step, make_train_step
 
-__all__ = ["TrainState", "make_eval_step", "make_train_step", "optim", "pytree"]
+__all__ = ["LossScaling", "TrainState", "make_eval_step", "make_train_step", "optim", "pytree"]

@@ -1,7 +1,7 @@
 """``TrainState``: everything a training run carries from step to step, as one tree.
 
-The functional core's data: parameters, buffers, optimizer state, step count
-and seed, all tensors, in one frozen dataclass registered as a pytree.  The
+The functional core's data: parameters, buffers, optimizer state, step count,
+seed and the fp16 loss scaler's state, all tensors, in one frozen dataclass registered as a pytree.  The
 worker layer broadcasts it, rank 0 hands it to the driver for checkpoints,
 and ``train_step`` maps one to the next without touching the old one.
 
@@ -13,18 +13,21 @@ non-leaf fields.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from raympi.core import pytree
-from raympi.exceptions import ConfigError
 from raympi.core.optim import GradientTransformation
+from raympi.core.precision import LossScaling
+from raympi.exceptions import ConfigError
 
 __all__ = ["TrainState"]
 
-_FIELDS = ["params", "buffers", "opt_state", "step", "rng_seed"]
+_FIELDS = ["params", "buffers", "opt_state", "step", "rng_seed", "loss_scale"]
+# Fields added after the first release, with the value a dict without them stands for.
+_OPTIONAL = {"loss_scale": dict}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,10 @@ class TrainState:
         step: steps taken so far, a 0-d int64 tensor.
         rng_seed: the run's seed, a 0-d int64 tensor; ``train_step`` derives
             each step's dropout seed from it and ``step``.
+        loss_scale: the fp16 dynamic loss scaler's state, ``{"scale": 0-d
+            float32, "growth_tracker": 0-d int64}`` (see
+            :class:`raympi.core.precision.LossScaling`), or ``{}`` when there
+            is none yet (fp32 / bf16; an fp16 step starts one).
 
     Example:
         >>> state = TrainState.create(torch.nn.Linear(2, 1), raympi.optim.sgd(0.1))
@@ -53,10 +60,16 @@ class TrainState:
     opt_state: Any
     step: torch.Tensor
     rng_seed: torch.Tensor
+    loss_scale: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def create(
-        cls, model: nn.Module, optimizer: GradientTransformation, *, seed: int = 0
+        cls,
+        model: nn.Module,
+        optimizer: GradientTransformation,
+        *,
+        seed: int = 0,
+        loss_scaling: Optional[LossScaling] = None,
     ) -> TrainState:
         """Build the initial state from ``model``'s current tensors.
 
@@ -67,6 +80,10 @@ class TrainState:
             model: the ``nn.Module`` to train.
             optimizer: its optimizer, a :class:`raympi.optim.GradientTransformation`.
             seed: the run's seed, stored in ``rng_seed``.
+            loss_scaling: for fp16 training, the ``LossScaling`` also given to
+                ``make_train_step``: the state then holds the scaler's state
+                from step 0 (the same tree structure at every step).  Without
+                it the first fp16 step creates it.
 
         Returns:
             A ``TrainState`` with ``step == 0``.
@@ -94,6 +111,7 @@ class TrainState:
             opt_state=optimizer.init(params),
             step=torch.zeros((), dtype=torch.int64),
             rng_seed=torch.tensor(int(seed), dtype=torch.int64),
+            loss_scale=loss_scaling.init() if loss_scaling is not None else {},
         )
 
     def replace(self, **changes: Any) -> TrainState:
@@ -120,6 +138,8 @@ class TrainState:
         """Rebuild a state from :meth:`to_dict`'s output.
 
         No optimizer is needed: optimizer states are plain trees already.
+        Dicts saved before a field existed load with its empty value
+        (``loss_scale``: ``{}``).
 
         Raises:
             ValueError: a field is missing or unknown.
@@ -127,12 +147,12 @@ class TrainState:
         Example:
             >>> state = TrainState.from_dict(torch.load("ckpt.pt", weights_only=True))
         """
-        missing, extra = set(_FIELDS) - set(d), set(d) - set(_FIELDS)
+        missing, extra = set(_FIELDS) - set(_OPTIONAL) - set(d), set(d) - set(_FIELDS)
         if missing or extra:
             raise ValueError(
                 f"not a TrainState dict: missing {sorted(missing)}, unknown {sorted(extra)}"
             )
-        return cls(**{f: d[f] for f in _FIELDS})
+        return cls(**{f: d[f] if f in d else _OPTIONAL[f]() for f in _FIELDS})
 
 
 pytree.register_dataclass(TrainState, _FIELDS)

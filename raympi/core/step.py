@@ -1,4 +1,4 @@
-"""``make_train_step`` / ``make_eval_step``: training as pure functions of a ``TrainState``.
+"""``make_train_step``: training as a pure function of a ``TrainState``.
 
 The heart of the functional core.  ``train_step(state, batch)`` runs the
 model with ``torch.func.functional_call`` on the state's tensors, takes the
@@ -15,7 +15,10 @@ The global-batch rule: the loss of a step is the mean over the samples of the
 *global* batch.  Each rank scales its local mean loss by
 ``local_n / global_batch_size`` and the ranks' gradients are summed, so any
 split of one global batch over any number of ranks gives the same update up
-to floating-point summation order.
+to floating-point summation order.  Mixed precision lives in
+:mod:`~raympi.core.precision`, micro-batching in
+:mod:`~raympi.core.accumulate`, the statistics in :mod:`~raympi.core.metrics`;
+``make_eval_step`` (:mod:`~raympi.core.evaluate`) is re-exported here.
 """
 
 from __future__ import annotations
@@ -27,15 +30,18 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from raympi.core.batch import Batch, _split_batch, correct_predictions
+from raympi.core import accumulate as _accumulate, precision as _precision
+from raympi.core.batch import Batch, _split_batch
+from raympi.core.evaluate import make_eval_step
+from raympi.core.metrics import RESERVED, MetricFn, Metrics, _check_names, _read, _row
 from raympi.core.optim import GradientTransformation, apply_gradients
+from raympi.core.precision import LossScaling, Precision
 from raympi.core.rng import _seed_generators, _step_seed
 from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
 
 __all__ = ["make_train_step", "make_eval_step"]
 
-Metrics = dict[str, Any]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 GradSync = Callable[[Any], Any]
 
@@ -69,6 +75,10 @@ def make_train_step(
     on_nonfinite: Literal["raise", "skip"] = "raise",
     rank: int = 0,
     donate: bool = False,
+    precision: Precision = "fp32",
+    loss_scaling: Optional[LossScaling] = None,
+    accumulate: int = 1,
+    metrics: Optional[dict[str, MetricFn]] = None,
 ) -> Callable[..., tuple[TrainState, Metrics]]:
     """Build ``train_step(state, batch, global_batch_size=None) -> (new_state, metrics)``.
 
@@ -81,16 +91,21 @@ def make_train_step(
     the batch.  ``global_batch_size`` is the sample count of the whole step
     over all ranks; it defaults to this batch's size (one process).
 
-    ``grad_sync``, when given, is called once per step with the tree
-    ``{"grads": {name: tensor}, "stats": float64 tensor [loss * n, correct,
-    n, n_targets]}`` and must return the leaf-wise SUM over the ranks (a new
-    tree, or ``None`` after summing in place).  Riding the statistics on the
-    gradient allreduce makes the metrics global at no extra collective.
+    ``grad_sync``, when given, is called once per step (whatever
+    ``accumulate``) with the tree ``{"grads": {name: tensor}, "stats":
+    float64 tensor [loss * n, correct, n, n_targets, metric * n for each of
+    ``metrics``, then with fp16 a 0/1 "this rank's gradients overflowed"
+    flag]}`` and must return the leaf-wise SUM over the ranks (a new tree of
+    this rank's own tensors, or ``None`` after summing in place).  Riding the
+    statistics on the gradient allreduce makes the metrics global at no extra
+    collective.
 
     Metrics are Python numbers, already global: ``"loss"`` (mean over the
-    global batch), ``"samples"`` and, when the targets are integer class ids
-    for outputs shaped ``(N, C, ...)``, ``"accuracy"``.  With
-    ``on_nonfinite="skip"`` there is also ``"nonfinite"`` (bool).
+    global batch), ``"samples"``, each of ``metrics`` (its global mean) and,
+    when the targets are integer class ids for outputs shaped ``(N, C, ...)``,
+    ``"accuracy"``.  With fp16 also ``"loss_scale"`` (the scale this step
+    used) and ``"skipped"`` (0 or 1); with ``on_nonfinite="skip"``,
+    ``"nonfinite"`` (bool) and ``"skipped"``.
 
     Dropout and other random layers are seeded per step from
     ``(state.rng_seed, state.step, rank)`` inside ``torch.random.fork_rng``,
@@ -112,53 +127,80 @@ def make_train_step(
         donate: let each step write the new parameters and optimizer state
             into the memory of the input state's (JAX's buffer donation), for
             loops of the form ``state, m = train_step(state, batch)`` that
-            never touch an old state again.  Saves a second copy of the
-            parameters and optimizer state and, on the CPU, the page faults of
-            fresh allocations.  The input state is then garbage: do not keep
-            it (for a checkpoint, say: copy first) and do not donate tensors
-            you do not own, such as read-only buffers from Ray's object store.
-            Off by default: ``train_step`` is then pure.
+            never touch an old state again: no second copy of the parameters
+            and optimizer state.  The input state is then garbage:
+            do not keep it and do not donate tensors you do not own, such as
+            read-only buffers from Ray's object store.  Off by default:
+            ``train_step`` is then pure.
+        precision: ``"fp32"``; ``"bf16"`` or ``"fp16"`` run the forward pass
+            and the loss under ``torch.autocast`` on the parameters' device
+            (master weights and optimizer stay float32).  ``"fp16"`` adds
+            dynamic loss scaling with ``torch.amp.GradScaler``'s rules, its
+            state in ``state.loss_scale``: a step whose summed gradients hold
+            an inf/NaN on any rank is skipped (parameters and optimizer state
+            unchanged, so the optimizer's own count and schedules do not
+            advance; ``state.step`` does, as a training loop's step does
+            around ``GradScaler.step``; the forward's BatchNorm statistics
+            are kept when the loss was finite), reported as ``"skipped": 1``
+            and the scale backed off.  Such a step is the scaler's business:
+            ``on_nonfinite`` is not consulted.
+        loss_scaling: fp16 only: the scaler's settings,
+            :class:`~raympi.core.precision.LossScaling` (GradScaler's defaults).
+        accumulate: split each rank's batch into this many micro-batches
+            (``torch.tensor_split`` on dim 0, uneven allowed) and sum their
+            gradients before the one ``grad_sync``: the update equals the
+            unaccumulated one up to rounding (except through BatchNorm,
+            which sees micro-batches), with a micro-batch's activation memory.
+        metrics: name -> ``fn(outputs, targets) -> scalar tensor``, the MEAN
+            over the samples it is given; reported as the global-batch mean.
+            ``"accuracy"`` replaces the automatic one; the step's own keys
+            are reserved.
 
     Returns:
         ``train_step``, a pure function of ``(state, batch, global_batch_size)``
         (unless ``donate``).
 
     Raises:
-        ConfigError: the model has no trainable parameter, or a bad ``on_nonfinite``.
+        ConfigError: no trainable parameter, or a bad ``on_nonfinite``,
+            ``precision``, ``loss_scaling``, ``accumulate`` or metric name.
 
     Example:
-        >>> step = make_train_step(model, F.cross_entropy, raympi.optim.sgd(0.1))
+        >>> step = make_train_step(model, F.cross_entropy, raympi.optim.sgd(0.1),
+        ...                        precision="bf16", accumulate=4)
         >>> state = TrainState.create(model, raympi.optim.sgd(0.1))
         >>> state, metrics = step(state, (x, y))
         >>> metrics["loss"], metrics["accuracy"], metrics["samples"]
     """
     if on_nonfinite not in ("raise", "skip"):
         raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+    _precision._check(precision, loss_scaling)
+    scaler = (loss_scaling or LossScaling()) if precision == "fp16" else None
+    accumulate = _accumulate._check(accumulate)
+    metric_fns = dict(metrics or {})
+    names = _check_names(metric_fns, RESERVED, "metrics")
     trainable = set(_trainable(model))
     # Only real buffers can be written by the forward pass (frozen params cannot).
     mutable = {n for n, _ in model.named_buffers()}
 
-    def loss_of(params, buffers, args, kwargs, targets, scale):
-        outputs = functional_call(model, (params, buffers), args, kwargs)
-        loss = loss_fn(outputs, targets)
-        _check_loss(loss)
-        aux = {"loss": loss.detach()}
-        correct = correct_predictions(outputs, targets)
-        if correct is not None:
-            aux["correct"] = correct
-        # Differentiate the share of the global mean; report the local mean.
-        return loss * scale, aux
-
-    def grad_fn(params, buffers, args, kwargs, targets, scale):
-        """``(gradients, (loss, aux))`` of ``loss_of`` with respect to ``params``; ``params`` is not touched."""
+    def grad_fn(params, buffers, micro, factor, device_type):
+        """``(gradients, stats row, classify)`` of one micro-batch; ``params`` is not touched."""
+        args, kwargs, targets, n = micro
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         with torch.enable_grad():
-            loss, aux = loss_of(leaves, buffers, args, kwargs, targets, scale)
-            if loss.requires_grad:
-                grads = torch.autograd.grad(loss, list(leaves.values()), materialize_grads=True)
+            with _precision._autocast(precision, device_type):
+                outputs = functional_call(model, (leaves, buffers), args, kwargs)
+                loss = loss_fn(outputs, targets)
+            _check_loss(loss)
+            with torch.no_grad():
+                row, classify = _row(loss, outputs, targets, n, metric_fns, names)
+            # Differentiate this batch's share of the global mean, times the loss scale;
+            # in float32 at least, as GradScaler does: an fp16 loss times 2**16 overflows.
+            scaled = loss.to(torch.promote_types(loss.dtype, torch.float32)) * factor
+            if scaled.requires_grad:
+                grads = torch.autograd.grad(scaled, list(leaves.values()), materialize_grads=True)
             else:  # a loss that does not depend on the parameters
                 grads = tuple(torch.zeros_like(v) for v in leaves.values())
-        return dict(zip(leaves, grads)), (loss.detach(), aux)
+        return dict(zip(leaves, grads)), row, classify
 
     def train_step(
         state: TrainState, batch: Batch, global_batch_size: Optional[int] = None
@@ -172,117 +214,69 @@ def make_train_step(
             )
         global_n = n if global_batch_size is None else int(global_batch_size)
         step, seed = int(state.step), int(state.rng_seed)
+        # A state from before fp16 (or made without loss_scaling) starts the scaler here.
+        loss_scale = (state.loss_scale or scaler.init()) if scaler else state.loss_scale
+        scale = float(loss_scale["scale"]) if scaler else 1.0
         # The forward writes running statistics into the buffers it is given:
         # give it copies so the input state stays as it was.
         buffers = {k: (v.clone() if k in mutable else v) for k, v in state.buffers.items()}
+        device = next(iter(state.params.values())).device
         cuda = sorted({t.device.index or 0 for t in state.params.values() if t.device.type == "cuda"})
         was_training = model.training
         model.train()
         try:
             with torch.random.fork_rng(devices=cuda):
                 _seed_generators(_step_seed(seed, step, rank), cuda)
-                grads, (_, aux) = grad_fn(state.params, buffers, args, kwargs, targets, n / global_n)
+                grads = stats = None
+                for micro in _accumulate._micro_batches(args, kwargs, targets, n, accumulate):
+                    g, row, classify = grad_fn(state.params, buffers, micro, micro[3] / global_n * scale, device.type)
+                    if grads is None:
+                        grads, stats = g, row
+                    else:
+                        torch._foreach_add_(list(grads.values()), list(g.values()))
+                        stats = stats + row
         finally:
             model.train(was_training)
 
-        loss, correct = aux["loss"], aux.get("correct")
-        classify = correct is not None
-        zero = torch.zeros((), dtype=torch.float64, device=loss.device)
-        stats = torch.stack([
-            loss.double() * n,
-            correct.to(loss.device, torch.float64) if classify else zero,
-            zero + n,
-            zero + targets.numel(),
-        ])
+        if scaler:  # every rank learns whether any rank overflowed: the flags add up
+            stats = torch.cat([stats, _precision._nonfinite(list(grads.values())).to(stats.device)])
         tree = {"grads": grads, "stats": stats}
         if grad_sync is not None:
             synced = grad_sync(tree)
             tree = tree if synced is None else synced
-        grads = tree["grads"]
-        loss_sum, n_correct, total, n_targets = tree["stats"].tolist()  # the step's one host read
+        grads, readout = tree["grads"], tree["stats"]
+        if scaler:  # unscale the sum, as GradScaler after DDP's allreduce, and check it too
+            found = _precision._unscale_(list(grads.values()), scale)
+            readout = torch.cat([readout, found.to(readout.device, torch.float64)])
+        values = readout.tolist()  # the step's one host read
+        metrics, loss_sum = _read(values, names, classify)
 
-        if global_batch_size is not None and total != global_n:
+        if global_batch_size is not None and metrics["samples"] != global_n:
             raise TrainingError(
-                f"the ranks' batches hold {int(total)} samples in all but global_batch_size is "
+                f"the ranks' batches hold {metrics['samples']} samples in all but global_batch_size is "
                 f"{global_n}: pass the size of the whole step's batch over all ranks"
             )
-        metrics: Metrics = {"loss": loss_sum / total, "samples": int(total)}
-        if classify:
-            metrics["accuracy"] = n_correct / n_targets
-        if not math.isfinite(loss_sum):
-            if on_nonfinite == "raise":
-                raise NonFiniteLossError(
-                    f"the loss is {loss_sum / total} at step {step}. Lower the learning rate, clip "
-                    "gradients (optim.clip_by_global_norm), check the data, or pass "
-                    "on_nonfinite='skip' to make_train_step to skip such steps."
-                )
-            metrics["nonfinite"] = True
-            return state.replace(step=state.step + 1), metrics
+        finite = math.isfinite(loss_sum)
+        overflow = bool(scaler) and (values[-2] > 0 or values[-1] > 0)
+        new: dict[str, Any] = {"step": state.step + 1}
+        if scaler:
+            metrics["loss_scale"] = scale
+            new["loss_scale"] = _precision._update(loss_scale, overflow, scaler)
+        if not finite and not overflow and on_nonfinite == "raise":
+            raise NonFiniteLossError(
+                f"the loss is {metrics['loss']} at step {step}. Lower the learning rate, clip "
+                "gradients (optim.clip_by_global_norm), check the data, or pass "
+                "on_nonfinite='skip' to make_train_step to skip such steps."
+            )
         if on_nonfinite == "skip":
-            metrics["nonfinite"] = False
+            metrics["nonfinite"] = not finite
+        if scaler or on_nonfinite == "skip":
+            metrics["skipped"] = int(overflow or not finite)
+        if overflow or not finite:
+            # BatchNorm statistics of a forward whose loss was finite are kept, as in a torch loop.
+            return state.replace(buffers=buffers if finite else state.buffers, **new), metrics
 
         params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
-        new_state = state.replace(
-            params=params,
-            buffers=buffers,
-            opt_state=opt_state,
-            step=state.step + 1,
-        )
-        return new_state, metrics
+        return state.replace(params=params, buffers=buffers, opt_state=opt_state, **new), metrics
 
     return train_step
-
-
-def make_eval_step(
-    model: nn.Module, metric_fns: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]]
-) -> Callable[[TrainState, Batch], Metrics]:
-    """Build ``eval_step(state, batch) -> metrics``, run in eval mode without gradients.
-
-    Each ``metric_fns[name](outputs, targets)`` returns the MEAN over the
-    batch (a scalar); ``eval_step`` returns it multiplied back to a SUM, plus
-    ``"samples"``, all Python numbers.  Sums add up across batches and ranks,
-    so the global mean is ``sum(m[name]) / sum(m["samples"])``.
-
-    Args:
-        model: the ``nn.Module`` whose forward is used (in eval mode).
-        metric_fns: name -> ``fn(outputs, targets) -> scalar mean``.  The name
-            ``"samples"`` is reserved.
-
-    Returns:
-        ``eval_step``, a pure function of ``(state, batch)``; the batch format
-        is :func:`make_train_step`'s.
-
-    Example:
-        >>> ev = make_eval_step(model, {"loss": F.cross_entropy,
-        ...     "accuracy": lambda o, t: (o.argmax(1) == t).float().mean()})
-        >>> sums = [ev(state, b) for b in batches]
-        >>> acc = sum(s["accuracy"] for s in sums) / sum(s["samples"] for s in sums)
-    """
-    if "samples" in metric_fns:
-        raise ConfigError("metric_fns may not use the name 'samples': eval_step reports the count under it")
-    names = list(metric_fns)
-
-    def eval_step(state: TrainState, batch: Batch) -> Metrics:
-        args, kwargs, targets, n = _split_batch(batch)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                outputs = functional_call(model, (state.params, state.buffers), args, kwargs)
-                values = []
-                for name in names:
-                    v = metric_fns[name](outputs, targets)
-                    if not isinstance(v, torch.Tensor) or v.ndim != 0:
-                        raise TrainingError(
-                            f"metric {name!r} must return a scalar tensor (the mean over the "
-                            f"batch), got {v!r:.80}"
-                        )
-                    values.append(v.detach().to(torch.float64))
-        finally:
-            model.train(was_training)
-        means = torch.stack([v.to(values[0].device) for v in values]).tolist() if values else []
-        out: Metrics = {name: m * n for name, m in zip(names, means)}
-        out["samples"] = n
-        return out
-
-    return eval_step

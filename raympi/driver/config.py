@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from raympi.core.optim import GradientTransformation
 from raympi.exceptions import ConfigError
 
 __all__ = ["FitConfig", "MPIConfig", "parse_config"]
@@ -62,6 +63,7 @@ class FitConfig(BaseModel):
     columns: Optional[tuple[str, str]] = Field(None, description="(input, target) columns of a ray.data.Dataset; default its two columns")
     eval_dataset: Any = None
     eval_every: int = Field(0, ge=0, description="steps between evaluations (0: at the end of each epoch when eval_dataset is given)")
+    eval_with_ema: bool = Field(False, description="evaluate the EMA of the parameters kept by raympi.optim.ema (when the optimizer has one)")
     seed: int = 0
     use_gpu: Optional[bool] = Field(None, description="one GPU per worker; default: when the cluster has GPUs")
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
@@ -81,7 +83,22 @@ class FitConfig(BaseModel):
     compression: Optional[Literal["bf16", "fp16"]] = Field(None, description="send float32 gradients as 16-bit floats (half the bytes; the optimizer stays float32); see the README's performance notes")
     loader_workers: Optional[int] = Field(None, ge=0, description="processes per worker reading a map-style Dataset ahead of the step (0: in the step's thread); default: the worker's CPUs minus one, at most 4")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch threads per worker; default the worker's CPUs")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="mixed precision: forward and loss under autocast, float32 master weights; fp16 adds dynamic loss scaling")
+    accumulate: int = Field(1, ge=1, description="micro-batches per step on each rank (gradient accumulation): less memory, the same update")
+    metrics: dict[str, Callable[..., Any]] = Field(default_factory=dict, description="name -> fn(outputs, targets) -> mean over the samples, for training and evaluation")
+    on_nonfinite: Literal["raise", "skip"] = Field("raise", description="a NaN/inf loss: raise NonFiniteLossError, or skip that step's update")
+    callbacks: list[Any] = Field(default_factory=list, description="objects with on_step / on_eval / on_checkpoint / on_restart methods (raympi.callbacks)")
     mpi: MPIConfig = Field(default_factory=MPIConfig)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, GradientTransformation):
+            what = value.__name__ if isinstance(value, type) else repr(value)
+            raise ValueError(
+                f"optimizer={what} is not a raympi optimizer: pass a raympi.optim transform such as "
+                "raympi.optim.adam(1e-3), or wrap a torch optimizer: raympi.optim.from_torch(torch.optim.Adam, lr=1e-3)")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "FitConfig":

@@ -2,7 +2,7 @@
 
 Phases: STARTING (a group is placed and joined) -> RUNNING (the :class:`~raympi.driver.pipeline.Pipeline`
 runs chunks) -> DONE; or, when the pipeline returns a :class:`~raympi.driver.policy.Failure`,
-RECOVERING: the pure :func:`~raympi.driver.policy.decide` picks Warm, Cold, Grow or Raise and
+RECOVERING: the pure :func:`~raympi.driver.policy.decide` picks Warm, Cold, Grow, Finish or Raise and
 :mod:`raympi.driver.recovery` carries it out, then RUNNING again (or FAILED).  The controller owns
 the one :class:`~raympi.driver.run_state.RunState` and replaces it at each transition; it decides
 nothing itself, it only routes between the pipeline, the policy and the recovery actions.
@@ -21,7 +21,8 @@ from raympi.driver import recovery
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.group import WorkerGroup, cluster_capacity, worker_bundle
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
-from raympi.driver.policy import Capacity, Failed, Failure, FailureKind, Grow, Raise, Warm, decide
+from raympi.driver.callbacks import Dispatcher
+from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, Raise, Warm, decide
 from raympi.driver.report import Progress, write_jsonl, write_plot
 from raympi.driver.run_state import Checkpoint, Phase, RunState
 from raympi.exceptions import FormationError
@@ -43,16 +44,22 @@ class Controller:
         run: the starting state (a resumed run's history and checkpoint, or empty).
         ray_dataset: a ``ray.data.Dataset`` and its columns (split per group), else ``None``.
         announce: says what a slow start is doing, a line at a time.
+        fingerprint: what a checkpoint's step means (global batch, seed, dataset length, parameter
+            shapes), written into every manifest so that a resume can check it.
     """
 
     def __init__(self, cfg: Any, spec: WorkerSpec, pipeline: Pipeline, store: CheckpointStore, run: RunState,
-                 ray_dataset: Any = None, announce: Callable[[str], None] = lambda text: None) -> None:
+                 ray_dataset: Any = None, announce: Callable[[str], None] = lambda text: None,
+                 fingerprint: dict[str, Any] | None = None) -> None:
         self.cfg, self.spec, self.pipeline, self.store, self.run = cfg, spec, pipeline, store, run
         self.plan: ChunkPlan = pipeline.plan
         self.ray_dataset = ray_dataset
         self.announce = announce
+        self.fingerprint = fingerprint or {}
         self.group: WorkerGroup | None = None
-        self.sigterm = False
+        self.signal: str | None = None  # why the driver was asked to stop (SIGTERM, Ctrl-C)
+        self.callbacks = Dispatcher(cfg.callbacks)
+        self._detected = 0.0
         self._recovered_at: float | None = None  # when the newest restart record's failure was noticed
 
     # -- the state machine ------------------------------------------------------------------------
@@ -60,7 +67,7 @@ class Controller:
     def fit(self) -> RunState:
         """Train to the end; returns the final run state (its ``newest`` checkpoint holds the final state)."""
         self.progress = Progress(self.plan.total, self.cfg.progress)
-        previous = _on_sigterm(self._on_sigterm)
+        previous = _on_signals(self._on_signal)
         try:
             failure: Failure | None = None
             while True:
@@ -72,12 +79,15 @@ class Controller:
                 if failure is None:
                     return self._finish()
                 self._enter(Phase.RECOVERING)
-                failure = self._recover(failure)
+                decision = self._decide(failure)
+                if isinstance(decision, Finish):
+                    return self._finish()
+                failure = self._carry_out(decision, failure)
         except BaseException:
             self._enter(Phase.FAILED)
             raise
         finally:
-            _on_sigterm(previous)
+            _restore_signals(previous)
             self.progress.close()
             if self.group is not None:
                 self.group.shutdown()
@@ -106,14 +116,25 @@ class Controller:
         return WorkerGroup(self.cfg, world, self.spec, state, self.ray_dataset, place_timeout_s=place_timeout_s,
                            announce=self.announce)
 
-    def _recover(self, failure: Failure) -> Failure | None:
-        """RECOVERING: ask the policy, carry its decision out; returns a follow-up failure, if any."""
-        detected = time.monotonic()
-        world_before = self.group.world if self.group else 0
+    def _decide(self, failure: Failure) -> Decision:
+        """RECOVERING: what the policy says about ``failure``."""
+        self._detected = time.monotonic()
         self._collect(wait=failure.kind.planned)  # a planned stop's checkpoint must be on disk (and known) first
         capacity = Capacity(world=self.group.world if self.group else 0, cluster=cluster_capacity(self._bundle()))
         decision = decide(failure, self.run, self.cfg, capacity)
         log.info("raympi: %s -> %s", failure.kind.value, type(decision).__name__)
+        return decision
+
+    def _carry_out(self, decision: Decision, failure: Failure) -> Failure | None:
+        """Carry a Raise, Grow, Warm or Cold out; returns a follow-up failure, if any."""
+        detected, world_before, restarts = self._detected, self.group.world if self.group else 0, len(self.run.restarts)
+        try:
+            return self._apply(decision, failure, detected, world_before)
+        finally:
+            for record in self.run.restarts[restarts:]:
+                self.callbacks.restart(record)
+
+    def _apply(self, decision: Decision, failure: Failure, detected: float, world_before: int) -> Failure | None:
         if isinstance(decision, Raise):
             self._drop_group()
             self.store.wait(strict=False)
@@ -146,6 +167,7 @@ class Controller:
         self._collect()
         self._write_reports()
         self._enter(Phase.DONE)
+        self.callbacks.end(list(self.run.history))
         return self.run
 
     # -- hooks the pipeline calls -----------------------------------------------------------------
@@ -160,6 +182,8 @@ class Controller:
         self.run = dataclasses.replace(self.run, history=(*self.run.history, *records), restarts=restarts)
         self._collect()
         self.progress.update(chunk.last, records[-1], force=chunk.eval is not None or chunk.last == self.plan.total)
+        if self.callbacks.steps(records) and chunk.last < self.plan.total:
+            return Failure(FailureKind.EARLY_STOP, f"stopped by a callback after step {chunk.last}", phase=Phase.DRAINING.value)
         if self.group.pending_ready() and chunk.last < self.plan.total:
             return Failure(FailureKind.REPLACEMENT_READY, "replacement ready", phase=Phase.DRAINING.value)
         return None
@@ -174,7 +198,7 @@ class Controller:
         manifest = {
             "step": step, "epoch": epoch, "cursor": {"epoch": epoch, "step_in_epoch": in_epoch},
             "world_size": self.group.world, "metrics": self.run.history[-1] if self.run.history else {},
-            "config": _plain_config(self.cfg), "history": list(self.run.history), "restarts": list(self.run.restarts),
+            "config": _plain_config(self.cfg), "run": self.fingerprint, "history": list(self.run.history), "restarts": list(self.run.restarts),
             "saved_at": time.time(),
         }
         self.store.save_async(state_ref, manifest)
@@ -188,12 +212,16 @@ class Controller:
     # -- helpers ----------------------------------------------------------------------------------
 
     def _stop_requested(self) -> Failure | None:
-        if self.sigterm:
-            return Failure(FailureKind.DRIVER_SIGTERM, "stopped by SIGTERM", phase=Phase.DRAINING.value)
+        if self.signal is not None:
+            return Failure(FailureKind.DRIVER_SIGTERM, self.signal, phase=Phase.DRAINING.value)
         return None
 
-    def _on_sigterm(self, *_: Any) -> None:
-        self.sigterm = True
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signal is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+        if signum == signal.SIGINT:
+            self.announce("interrupted: finishing the steps in flight and writing a checkpoint (Ctrl-C again to abort)")
+        self.signal = "stopped by SIGTERM" if signum == signal.SIGTERM else "interrupted (Ctrl-C)"
 
     def _collect(self, wait: bool = False) -> None:
         """Take in the checkpoints the writer thread finished (it hands them over through a queue)."""
@@ -202,6 +230,7 @@ class Controller:
         for path, step, state in self.store.drain_saved():
             if self.run.newest is None or step >= self.run.newest.step:
                 self.run = dataclasses.replace(self.run, newest=Checkpoint(step, path, state))
+            self.callbacks.checkpoint(path, step)
 
     def _bundle(self) -> dict[str, float]:
         return worker_bundle(self.cfg, self.spec.device == "cuda")
@@ -217,11 +246,16 @@ class Controller:
             write_plot(list(self.run.history), self.store.file("metrics.png"), self.store.fs)
 
 
-def _on_sigterm(handler: Any) -> Any:
-    """Install a SIGTERM handler when we may (main thread); return the previous one."""
-    if handler is None or threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
+def _on_signals(handler: Any) -> dict[int, Any]:
+    """Handle SIGTERM and SIGINT (Ctrl-C) when we may (main thread); returns the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def _plain_config(cfg: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from raympi.comm import library
 from raympi.core import optim, pytree
+from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 from raympi.driver import data, report
@@ -42,6 +43,8 @@ class Result:
         metrics: one record per step (step, epoch, loss, accuracy, samples_per_s,
             world_size, time) plus eval metrics where they were taken.
         checkpoint: the folder of the last checkpoint written.
+        ema: the parameter average kept by :func:`raympi.optim.ema` (load it with
+            ``model.load_state_dict(result.ema, strict=False)``), or ``None``.
         restarts: one record per recovery or planned re-formation (empty when none happened): time,
             step, ranks, nodes, cause, kind, phase, path (warm/cold), world size before/after, steps
             lost, restored step, recovery_s.
@@ -52,6 +55,7 @@ class Result:
     metrics: list[dict[str, Any]]
     checkpoint: str | None
     restarts: list[dict[str, Any]]
+    ema: dict[str, torch.Tensor] | None = None
 
 
 def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) -> Result:
@@ -108,6 +112,8 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         announce("starting Ray" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "connecting to Ray")
     started_ray = _connect_ray(cfg) or started_ray
     try:
+        if started_ray:
+            cfg = _fit_local_cores(cfg, announce)
         announce("shipping the data to the object store")
         use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
         spec = WorkerSpec(
@@ -115,24 +121,32 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             train=data.ship(train) if train else None, train_kind=train.kind if train else "stream",
             eval=data.ship(eval_data) if eval_data else None, eval_kind=eval_data.kind if eval_data else "arrays",
             device="cuda" if use_gpu else "cpu", seed=cfg.seed, loader_workers=_loader_workers(cfg),
+            step_options=_step_options(cfg),
             torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
         )
         spe = sampler.steps_per_epoch
         plan = ChunkPlan(total=min(spe * cfg.epochs, cfg.max_steps or spe * cfg.epochs), steps_per_epoch=spe,
                          checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every, has_eval=eval_data is not None)
-        run = _resumed(store) if cfg.resume else RunState()
+        fingerprint = {"batch_size": cfg.batch_size, "seed": cfg.seed, "num_samples": num_samples,
+                       "params": {name: list(p.shape) for name, p in model.named_parameters()}}
+        run = _resumed(store, fingerprint) if cfg.resume else RunState()
         run = dataclasses.replace(run, warm_possible=ray_dataset is None)
         pipeline = Pipeline(plan, sampler, cfg, eval_data.length if eval_data else 0)
-        final = Controller(cfg, spec, pipeline, store, run, ray_dataset, announce).fit()
+        final = Controller(cfg, spec, pipeline, store, run, ray_dataset, announce, fingerprint).fit()
         # The driver's copy may be read-only object-store memory: hand the user tensors of their own.
         state = pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(final.newest.state))
         model.load_state_dict({**state.params, **state.buffers}, strict=False)
         return Result(state=state, model=model, metrics=list(final.history), checkpoint=final.newest.path,
-                      restarts=list(final.restarts))
+                      restarts=list(final.restarts), ema=optim.ema_params(state.opt_state))
     finally:
         store.close()
         if started_ray:
             ray.shutdown()
+
+
+def _step_options(cfg: FitConfig) -> dict[str, Any]:
+    """The options of :func:`~raympi.core.step.make_train_step` that ``fit`` passes through."""
+    return {"on_nonfinite": cfg.on_nonfinite, "precision": cfg.precision, "accumulate": cfg.accumulate, "metrics": dict(cfg.metrics)}
 
 
 def _loader_workers(cfg: FitConfig) -> int:
@@ -142,15 +156,47 @@ def _loader_workers(cfg: FitConfig) -> int:
     return min(4, max(0, int(cfg.resources_per_worker.get("CPU", 1)) - 1))
 
 
-def _resumed(store: CheckpointStore) -> RunState:
-    """The run state of the newest valid checkpoint, or a fresh one when there is none."""
+def _fit_local_cores(cfg: FitConfig, announce: Any) -> FitConfig:
+    """On a Ray instance fit started itself, more workers than cores run oversubscribed (fractional CPUs)."""
+    cpus = ray.cluster_resources().get("CPU", 1)
+    per = cfg.resources_per_worker.get("CPU", 1)
+    if cfg.use_gpu or cfg.workers * per <= cpus:
+        return cfg
+    share = cpus / cfg.workers
+    announce(f"warning: {cfg.workers} workers on {cpus:g} CPU(s): running them oversubscribed ({share:.2g} CPU each), "
+             "so each step is slower than on enough cores")
+    return cfg.model_copy(update={"resources_per_worker": {**cfg.resources_per_worker, "CPU": share}})
+
+
+def _resumed(store: CheckpointStore, fingerprint: dict[str, Any]) -> RunState:
+    """The run state of the newest valid checkpoint, or a fresh one when there is none.
+
+    Raises:
+        ConfigError: the checkpoint was made with a global batch, seed, dataset length or model that
+            differs from this run's: its step would mean other samples (each difference is named).
+    """
     found = store.latest()
     if found is None:
         return RunState()
     path, manifest, state = found
+    saved = manifest.get("run")
+    if saved is not None and saved != fingerprint:
+        raise ConfigError(f"resume=True: the checkpoint {path} was made by a different run: "
+                          + "; ".join(_differences(saved, fingerprint))
+                          + ". Resume with the same values, or pass a new checkpoint_dir to start afresh")
     step = int(manifest["step"])
     history = tuple(r for r in manifest.get("history", []) if r["step"] <= step)
     return RunState(start_step=step, history=history, newest=Checkpoint(step, path, state))
+
+
+def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    out = [f"{key} was {saved.get(key)}, now {now[key]}" for key in ("batch_size", "seed", "num_samples")
+           if saved.get(key) != now[key]]
+    before, after = saved.get("params", {}), now["params"]
+    out += [f"parameter {n!r} is new" for n in after if n not in before]
+    out += [f"parameter {n!r} is gone" for n in before if n not in after]
+    out += [f"parameter {n!r} was of shape {before[n]}, now {after[n]}" for n in after if n in before and before[n] != after[n]]
+    return out
 
 
 def _is_ray_dataset(dataset: Any) -> bool:
@@ -159,10 +205,11 @@ def _is_ray_dataset(dataset: Any) -> bool:
 
 def _dry_run(model, loss_fn, optimizer, inputs, targets, cfg: FitConfig) -> None:
     """One step on two in-memory samples in the driver: a data/model mismatch is caught before any actor starts."""
-    step = make_train_step(model, loss_fn, optimizer)
+    step = make_train_step(model, loss_fn, optimizer, **_step_options(cfg))
     two = pytree.map(lambda t: t[:2], (inputs, targets))
+    scaling = LossScaling() if cfg.precision == "fp16" else None
     try:
-        step(TrainState.create(model, optimizer, seed=cfg.seed), two)
+        step(TrainState.create(model, optimizer, seed=cfg.seed, loss_scaling=scaling), two)
     except TrainingError:
         raise
     except Exception as exc:

@@ -177,10 +177,11 @@ class WorkerGroup:
         bundle = self.bundle
         can_host = cluster_capacity(bundle)
         if can_host < self.world:
-            raise CapacityError(
-                f"the Ray cluster can host {can_host} worker(s) of {bundle}, not workers={self.world}: "
-                "lower workers or resources_per_worker, or add nodes"
-            )
+            gpus = ray.cluster_resources().get("GPU", 0)
+            hint = (f"the cluster has {gpus:g} GPU(s): pass use_gpu=False (or leave use_gpu unset) to train on CPUs, "
+                    "or add GPU nodes" if bundle.get("GPU") and gpus < self.world * bundle["GPU"]
+                    else "lower workers or resources_per_worker, or add nodes")
+            raise CapacityError(f"the Ray cluster can host {can_host} worker(s) of {bundle}, not workers={self.world}: {hint}")
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy=self.cfg.placement_strategy)
         if not self.pg.wait(max(0.1, deadline.remaining())):
             raise CapacityError(
@@ -228,7 +229,8 @@ class WorkerGroup:
             if isinstance(cause, RaympiError) and not isinstance(cause, TrainingError):
                 raise cause from None
             trace = _clean(getattr(exc, "traceback_str", "") or str(exc))
-            error = TrainingError(f"{what}: {label} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}")
+            kind = type(cause) if isinstance(cause, TrainingError) else TrainingError  # NonFiniteLossError stays itself
+            error = kind(f"{what}: {label} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}")
             raise Failed(self._failure(FailureKind.USER_ERROR, str(error).splitlines()[0], [rank], error)) from None
         except ray.exceptions.RayActorError as exc:
             created = getattr(exc, "error_msg", "") or ""

@@ -103,7 +103,7 @@ class Pipeline:
         chunk = Chunk(first, last, [a.run.remote(shards[r], self.cfg.batch_size) for r, a in enumerate(group.actors)])
         if self.plan.wants_eval(last):
             parts = torch.tensor_split(torch.arange(self.eval_size), world)
-            chunk.eval = [a.evaluate.remote(parts[r]) for r, a in enumerate(group.actors)]
+            chunk.eval = [a.evaluate.remote(parts[r], self.cfg.eval_with_ema) for r, a in enumerate(group.actors)]
         if self.plan.wants_checkpoint(last):
             chunk.state = group.actors[0].state_dict.remote()
         return chunk

@@ -2,7 +2,7 @@
 
 :func:`decide` reads a :class:`Failure` (what went wrong, seen where it happened), the run's
 :class:`~raympi.driver.run_state.RunState`, the options and the cluster's :class:`Capacity`, and
-returns one decision: :class:`Warm`, :class:`Cold`, :class:`Grow` or :class:`Raise`.  No Ray, no
+returns one decision: :class:`Warm`, :class:`Cold`, :class:`Grow`, :class:`Finish` or :class:`Raise`.  No Ray, no
 I/O, no clock: it is tested as a table (``tests/test_policy.py``).  Carrying a decision out is
 :mod:`raympi.driver.recovery`'s job.
 """
@@ -17,7 +17,7 @@ from raympi.exceptions import (
     FormationError, PreemptedError, RaympiError, RestartsExhaustedError, StepTimeoutError, WorkerLostError,
 )
 
-__all__ = ["Capacity", "Cold", "Decision", "Failure", "FailureKind", "Grow", "Raise", "Warm", "decide"]
+__all__ = ["Capacity", "Cold", "Decision", "Failure", "FailureKind", "Finish", "Grow", "Raise", "Warm", "decide"]
 
 
 class FailureKind(str, enum.Enum):
@@ -32,11 +32,12 @@ class FailureKind(str, enum.Enum):
     DRIVER_SIGTERM = "driver_sigterm"  # SIGTERM to the driver: checkpoint taken, stop
     CAPACITY_BACK = "capacity_back"  # checkpoint taken, the cluster has room for a larger group
     REPLACEMENT_READY = "replacement_ready"  # a replacement started earlier can join now
+    EARLY_STOP = "early_stop"  # a callback asked to stop: checkpoint taken, finish normally
 
     @property
     def planned(self) -> bool:
         """Stops that take a checkpoint of the step reached before anything else happens."""
-        return self in (FailureKind.PREEMPTED, FailureKind.DRIVER_SIGTERM, FailureKind.CAPACITY_BACK)
+        return self in (FailureKind.PREEMPTED, FailureKind.DRIVER_SIGTERM, FailureKind.CAPACITY_BACK, FailureKind.EARLY_STOP)
 
     @property
     def counted(self) -> bool:
@@ -119,13 +120,18 @@ class Grow:
 
 
 @dataclasses.dataclass(frozen=True)
+class Finish:
+    """End the run normally (a callback stopped it early; its checkpoint is taken)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Raise:
     """Stop the run with ``error``."""
 
     error: BaseException
 
 
-Decision = Union[Warm, Cold, Grow, Raise]
+Decision = Union[Warm, Cold, Grow, Finish, Raise]
 
 
 def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decision:
@@ -138,7 +144,7 @@ def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decis
         capacity: the current group's size and what the cluster could host.
 
     Returns:
-        One of :class:`Warm`, :class:`Cold`, :class:`Grow`, :class:`Raise`.
+        One of :class:`Warm`, :class:`Cold`, :class:`Grow`, :class:`Finish`, :class:`Raise`.
     """
     kind = failure.kind
     if kind is FailureKind.USER_ERROR:
@@ -150,6 +156,8 @@ def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decis
                                     f"{run.newest.path}: fit(..., resume=True) continues from it"))
     if kind is FailureKind.REPLACEMENT_READY:
         return Grow()
+    if kind is FailureKind.EARLY_STOP:
+        return Finish()
     if kind.planned:  # PREEMPTED, CAPACITY_BACK (DRIVER_SIGTERM was handled above)
         return Cold(planned=True)
     if run.failures >= config.max_restarts:

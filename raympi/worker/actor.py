@@ -20,7 +20,8 @@ import torch
 
 from raympi import comm
 from raympi.comm import library
-from raympi.core import pytree
+from raympi.core import optim, pytree
+from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
 from raympi.core.batch import correct_predictions
 from raympi.core.step import make_eval_step, make_train_step
@@ -62,6 +63,7 @@ class WorkerSpec:
         torch_threads: torch threads of this worker.
         seed: the run's seed (data augmentation is seeded per sample from it).
         loader_workers: processes reading a Dataset ahead of the step (0: read in the step's thread).
+        step_options: more keyword arguments of :func:`~raympi.core.step.make_train_step` (``on_nonfinite``, ...).
     """
 
     model: torch.nn.Module
@@ -75,6 +77,7 @@ class WorkerSpec:
     torch_threads: int = 1
     seed: int = 0
     loader_workers: int = 0
+    step_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Worker(comm.Member):
@@ -88,6 +91,7 @@ class Worker(comm.Member):
         self.model = spec.model.to(self.device)
         self.loss_fn = spec.loss_fn
         self.optimizer = spec.optimizer
+        self.step_options = spec.step_options
         # Before MPI starts: a Dataset's loader forks its reading processes here.
         self.source: Any = _source(spec.train, spec.train_kind, spec) if spec.train_kind != "stream" else None
         self.eval_source: Any = _source(spec.eval, spec.eval_kind, spec, loader_workers=0) if spec.eval is not None else None
@@ -109,8 +113,11 @@ class Worker(comm.Member):
             self.source = StreamSource(shard, columns)
         assert self.comm is not None and self.comm.rank == self.rank, "form the communicator first"
         self._build_steps()
-        state_tree = TrainState.create(self.model, self.optimizer, seed=seed) if state is None else TrainState.from_dict(state)
+        scaling = LossScaling() if self.step_options.get("precision") == "fp16" else None  # fp16: the scaler lives in the state
+        state_tree = (TrainState.create(self.model, self.optimizer, seed=seed, loss_scaling=scaling) if state is None
+                      else TrainState.from_dict(state))
         self._own(state_tree)
+        self.logs_hyperparams = bool(optim.current_hyperparams(self.state.opt_state))  # inject_hyperparams: log them
         return os.getpid()
 
     def rejoin(self, root: int) -> int:
@@ -128,8 +135,10 @@ class Worker(comm.Member):
     def _build_steps(self) -> None:
         self.comm.mpi.Set_errhandler(library.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
         self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer,
-                                          grad_sync=self.comm.allreduce_, rank=self.rank, donate=True)
-        self.eval_step = make_eval_step(self.model, {"loss": self.loss_fn, "accuracy": accuracy})
+                                          grad_sync=self.comm.allreduce_, rank=self.rank, donate=True, **self.step_options)
+        fns = {"loss": self.loss_fn, "accuracy": accuracy, **(self.step_options.get("metrics") or {})}
+        self.eval_step = make_eval_step(self.model, fns)
+        self.eval_step_names = [*fns, "samples"]
 
     def _own(self, state: TrainState) -> None:
         # Steps donate the state's memory (update in place), so the state must be this actor's own:
@@ -160,21 +169,29 @@ class Worker(comm.Member):
                 aborted = True
                 self.source.drop()
                 break
+            if self.logs_hyperparams:
+                metrics.update(optim.current_hyperparams(self.state.opt_state))
             history.append(metrics)
         return {"metrics": history, "step": int(self.state.step), "aborted": aborted, "sigterm": self.sigterm}
 
-    def evaluate(self, index: torch.Tensor) -> dict[str, float] | None:
-        """Evaluate this rank's share of the eval set; rank 0 returns the global means."""
-        totals = {"loss": 0.0, "accuracy": 0.0, "samples": 0.0}  # accuracy: NaN for regression
+    def evaluate(self, index: torch.Tensor, with_ema: bool = False) -> dict[str, float] | None:
+        """Evaluate this rank's share of the eval set (with the EMA parameters when asked and kept);
+        rank 0 returns the global means."""
+        ema = optim.ema_params(self.state.opt_state) if with_ema else None
+        state = self.state if ema is None else self.state.replace(params=ema)
+        totals: dict[str, float] = {}
         for chunk in torch.split(index, EVAL_BATCH):
             if len(chunk):
-                for k, v in self.eval_step(self.state, self._to_device(self.eval_source.read(chunk))).items():
-                    totals[k] += v
-        summed = self.comm.allreduce_([torch.tensor(list(totals.values()), dtype=torch.float64)])[0].tolist()
-        loss, correct, samples = summed
+                for k, v in self.eval_step(state, self._to_device(self.eval_source.read(chunk))).items():
+                    totals[k] = totals.get(k, 0.0) + v
+        names = sorted(self.eval_step_names)  # every rank sends the same sums in the same order, even with no samples
+        summed = self.comm.allreduce_([torch.tensor([totals.get(k, 0.0) for k in names], dtype=torch.float64)])[0].tolist()
         if self.rank != 0:
             return None
-        return {"eval_loss": loss / samples, **({"eval_accuracy": correct / samples} if correct == correct else {})}
+        sums = dict(zip(names, summed))
+        samples = max(1.0, sums.pop("samples"))
+        # accuracy is NaN where it does not apply (regression): then it is not reported
+        return {f"eval_{k}": v / samples for k, v in sums.items() if v == v}
 
     @ray.method(concurrency_group="health")
     def abort(self) -> None:

@@ -32,14 +32,29 @@ point.
   (from 0) uses ``lr(k)``.
 * :func:`from_torch` wraps any ``torch.optim.Optimizer`` class for the cases
   the native optimizers do not cover.
+* Wrappers, as optax's: :func:`masked` and :func:`multi_transform` (with
+  :func:`set_to_zero`) run transformations on some parameters only;
+  :func:`inject_hyperparams` keeps the current learning rate in the state
+  (:func:`current_hyperparams` reads it for logging); :func:`ema` keeps a
+  moving average of the parameters (:func:`ema_params`);
+  :func:`apply_if_finite` skips steps with non-finite gradients.
 
 Layout, as optax's ``_src``: :mod:`~raympi.core.optim.base` (the interface,
 :func:`apply_gradients`, :func:`chain`), :mod:`~raympi.core.optim.transform`
 (building blocks: :func:`clip_by_global_norm`, :func:`scale_by_adam`,
 :func:`add_decayed_weights`, :func:`scale_by_learning_rate`, from which
-``adam`` and ``adamw`` can be rebuilt as chains),
-:mod:`~raympi.core.optim.alias` (the optimizers) and
-:mod:`~raympi.core.optim.schedule` (learning-rate schedules).
+``adam`` and ``adamw`` can be rebuilt as chains, and :func:`ema`),
+:mod:`~raympi.core.optim.alias` (the optimizers),
+:mod:`~raympi.core.optim.schedule` (learning-rate schedules),
+:mod:`~raympi.core.optim.partition` (per-parameter transformations) and
+:mod:`~raympi.core.optim.wrappers` (:func:`inject_hyperparams`, :func:`apply_if_finite`).
+
+No decay on biases and norms, AdamW as ``torch.optim.AdamW`` with two
+parameter groups (or ``adamw(lr, mask=decay)``, fused)::
+
+    decay = lambda params: {n: p.ndim >= 2 for n, p in params.items()}
+    opt = optim.chain(optim.scale_by_adam(), optim.masked(optim.add_decayed_weights(0.01), decay),
+                      optim.scale_by_learning_rate(1e-3))
 
 Example:
     >>> import torch
@@ -59,16 +74,21 @@ from raympi.core.optim.base import (
     apply_updates,
     chain,
 )
+from raympi.core.optim.partition import masked, multi_transform, set_to_zero
 from raympi.core.optim.schedule import constant, cosine_decay, linear_warmup
 from raympi.core.optim.transform import (
     add_decayed_weights,
     clip_by_global_norm,
+    ema,
+    ema_params,
     scale_by_adam,
     scale_by_learning_rate,
 )
+from raympi.core.optim.wrappers import apply_if_finite, current_hyperparams, inject_hyperparams
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "apply_updates", "apply_gradients", "chain",
     "sgd", "adam", "adamw", "clip_by_global_norm", "from_torch", "constant", "cosine_decay", "linear_warmup",
-    "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate",
+    "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate", "masked", "multi_transform", "set_to_zero",
+    "inject_hyperparams", "current_hyperparams", "ema", "ema_params", "apply_if_finite",
 ]

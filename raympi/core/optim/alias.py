@@ -20,9 +20,11 @@ from raympi.core.optim.base import (
     _adam_moments,
     _check_betas,
     _check_nonneg,
+    _clone,
     _from_fused,
     _lr_at,
     _new_count,
+    _per_param,
     _scale,
 )
 
@@ -90,9 +92,12 @@ def sgd(
 
 
 def _adam(
-    lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float, decoupled: bool
+    lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float, decoupled: bool, mask: Any = None
 ) -> GradientTransformation:
-    """Adam (L2 weight decay) or AdamW (decoupled), as ``torch.optim.Adam``. State ``{"count", "mu", "nu"}``."""
+    """Adam (L2 weight decay) or AdamW (decoupled, on the parameters ``mask`` picks), as ``torch.optim.Adam``.
+
+    State ``{"count", "mu", "nu"}``.
+    """
     b1, b2 = betas
     _check_nonneg("lr", lr)
     _check_nonneg("weight_decay", weight_decay)
@@ -109,7 +114,19 @@ def _adam(
         mu, nu, denom, bc1 = _adam_moments(
             g, pytree.leaves(state["mu"]), pytree.leaves(state["nu"]), b1, b2, eps, t, donate
         )
-        if weight_decay and decoupled:
+        if weight_decay and decoupled and mask is not None:
+            # torch.optim.AdamW with a weight_decay=0 group for the others: their ``p`` is not scaled at all.
+            picked = _per_param(mask, params, "adamw's mask")
+            decayed = [i for i, n in enumerate(params) if picked[n]]
+            new = list(p)
+            if decayed:  # the foreach kernels refuse empty lists
+                for i, q in zip(decayed, _scale([p[i] for i in decayed], 1 - value * weight_decay, donate)):
+                    new[i] = q
+            if donate:
+                torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
+            else:  # some of ``new`` are still the caller's tensors
+                new = list(torch._foreach_addcdiv(new, mu, denom, value=-value / bc1))
+        elif weight_decay and decoupled:
             new = _scale(p, 1 - value * weight_decay, donate)
             torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
         elif donate:
@@ -153,17 +170,26 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
+    mask: Any = None,
 ) -> GradientTransformation:
     """AdamW, matching ``torch.optim.AdamW``: decoupled decay ``p *= 1 - lr * wd``.
 
     Arguments, state and return value as :func:`adam`, except that
     ``weight_decay`` (torch's default 1e-2) shrinks the parameters directly
-    instead of being added to the gradient.
+    instead of being added to the gradient, and:
+
+    Args:
+        mask: which parameters are decayed: a dict name -> bool, or a callable
+            ``params -> dict`` (params a flat dict); ``None`` decays all.  Equal
+            to ``torch.optim.AdamW`` with a ``weight_decay=0`` group for the
+            others, still fused.  The unfused spelling is
+            ``chain(scale_by_adam(), masked(add_decayed_weights(wd), mask), scale_by_learning_rate(lr))``.
 
     Example:
         >>> opt = adamw(1e-3, weight_decay=0.05)
+        >>> no_decay_on_biases_and_norms = adamw(1e-3, mask=lambda p: {n: t.ndim >= 2 for n, t in p.items()})
     """
-    return _adam(lr, betas, eps, weight_decay, decoupled=True)
+    return _adam(lr, betas, eps, weight_decay, decoupled=True, mask=mask)
 
 
 # --------------------------------------------------------------------------- torch.optim bridge
@@ -215,11 +241,7 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Gra
             sd = opt.state_dict()
             # Clone: load_state_dict keeps tensors that already match, and step()
             # would then write into the caller's state.
-            sd["state"] = {
-                i: pytree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state["state"][n])
-                for i, n in enumerate(names)
-                if n in state["state"]
-            }
+            sd["state"] = {i: _clone(state["state"][n]) for i, n in enumerate(names) if n in state["state"]}
             opt.load_state_dict(sd)
         for p, n in zip(copies, names):
             p.grad = grads[n].detach().clone()  # a copy: some optimizers write into .grad

@@ -103,6 +103,42 @@ def _adam_moments(
     return mu, nu, denom, bc1
 
 
+def _per_param(spec: Any, params: Params, what: str) -> dict:
+    """``spec`` (a dict name -> value, or a callable ``params -> dict``) evaluated for the flat dict ``params``."""
+    if not isinstance(params, dict):
+        raise TypeError(f"{what} needs params as a flat dict name -> tensor, got {type(params).__name__}")
+    values = spec(params) if callable(spec) else spec
+    missing = [n for n in params if n not in values]
+    if missing:
+        raise ValueError(f"{what} has no entry for parameter(s) {missing}")
+    return values
+
+
+def _clone(tree: Any) -> Any:
+    """A copy of ``tree`` with every tensor leaf cloned (so a later donation cannot reach the original)."""
+    return pytree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _find_states(tree: Any, keys: frozenset[str], path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
+    """The dicts of an optimizer state tree whose keys are exactly ``keys``, outermost first, with their paths.
+
+    States are plain trees, so a wrapper's state is recognised by its keys
+    (``{"count", "hyperparams", "inner_state"}``, ``{"count", "ema"}``).
+    """
+    found: list[tuple[tuple[str, ...], dict]] = []
+    if isinstance(tree, dict):
+        if set(tree) == keys:
+            found.append((path, tree))
+        items = [(str(k), v) for k, v in tree.items()]
+    elif isinstance(tree, (tuple, list)):
+        items = [(str(i), v) for i, v in enumerate(tree)]
+    else:
+        return found
+    for key, value in items:
+        found.extend(_find_states(value, keys, (*path, key)))
+    return found
+
+
 def _from_fused(init: Callable[[Params], OptState], fused: FusedApply) -> GradientTransformation:
     """A transformation defined by its fused form; ``update`` returns ``new - params``."""
 

@@ -11,18 +11,24 @@ state.  :func:`clip_by_global_norm` goes in front of an optimizer;
     chain(scale_by_adam(), add_decayed_weights(wd), scale_by_learning_rate(lr))  # adamw(lr, weight_decay=wd)
 
 The aliases stay the faster way to run those two (fused, with donation);
-the pieces are for building variants.
+the pieces are for building variants.  :func:`ema` goes last in a chain and
+keeps a moving average of the parameters (:func:`ema_params` reads it).
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 
 from raympi.core import pytree
 from raympi.core.optim.base import GradientTransformation, ScalarOrSchedule
-from raympi.core.optim.base import _adam_init, _adam_moments, _check_betas, _check_nonneg, _lr_at, _new_count
+from raympi.core.optim.base import _adam_init, _adam_moments, _check_betas, _check_nonneg, _find_states, _lr_at
+from raympi.core.optim.base import _new_count
 
-__all__ = ["clip_by_global_norm", "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate"]
+__all__ = ["clip_by_global_norm", "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate", "ema", "ema_params"]
+
+_EMA_KEYS = frozenset({"count", "ema"})
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -162,3 +168,84 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
         return pytree.unflatten(list(torch._foreach_mul(u, -value)), spec), {"count": state["count"] + 1}
 
     return GradientTransformation(init, update)
+
+
+def ema(decay: float, debias: bool = False) -> GradientTransformation:
+    """Keep an exponential moving average of the *parameters* in the optimizer state.
+
+    Unlike optax's ``ema`` (an average of the updates), this tracks the
+    weights one evaluates with: put it last in a :func:`chain`, where it sees
+    the final updates, and after each step it sets
+    ``ema = decay * ema + (1 - decay) * (params + updates)``, returning the
+    updates unchanged.  The average starts as a copy of the initial
+    parameters; with ``debias`` it is instead the bias-corrected average of
+    the parameters seen after each step (weight ``(1 - decay) / (1 - decay**t)``
+    at step ``t``, so step 1 sets it to the new parameters).  An optimizer
+    before it in the chain runs unfused (its ``update``).  State:
+    ``{"count", "ema"}``; read the average with :func:`ema_params`.
+
+    Args:
+        decay: the weight of the old average, in [0, 1).
+        debias: correct the average for its start instead of starting from
+            the initial parameters.
+
+    Returns:
+        A :class:`GradientTransformation` with a ``fused_apply``; its
+        ``update`` needs ``params``.
+
+    Example:
+        >>> from raympi.core import optim
+        >>> opt = optim.chain(optim.adamw(1e-3), ema(0.999))
+        >>> # after training: model weights = optim.ema_params(state.opt_state)
+    """
+    if not 0 <= decay < 1:
+        raise ValueError(f"decay must lie in [0, 1), got {decay}")
+
+    def init(params):
+        return {"count": _new_count(), "ema": pytree.map(lambda p: p.detach().clone(), params)}
+
+    def track(new: list[torch.Tensor], state, donate: bool):
+        count = state["count"] + 1
+        weight = (1 - decay) / (1 - decay ** int(count)) if debias else 1 - decay
+        e, spec = pytree.flatten(state["ema"])
+        if donate:
+            torch._foreach_lerp_(e, new, weight)
+        else:
+            e = list(torch._foreach_lerp(e, new, weight))
+        return {"count": count, "ema": pytree.unflatten(e, spec)}
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("ema needs params: call update(grads, state, params)")
+        new = torch._foreach_add(pytree.leaves(params), pytree.leaves(grads))
+        return grads, track(list(new), state, False)
+
+    def fused_apply(grads, state, params, donate=False):
+        p, spec = pytree.flatten(params)
+        if donate:
+            torch._foreach_add_(p, pytree.leaves(grads))
+            return params, track(p, state, True)
+        new = list(torch._foreach_add(p, pytree.leaves(grads)))
+        return pytree.unflatten(new, spec), track(new, state, False)
+
+    return GradientTransformation(init, update, fused_apply)
+
+
+def ema_params(opt_state: Any) -> Optional[Any]:
+    """The parameter average that :func:`ema` keeps, found anywhere in an optimizer state tree.
+
+    Args:
+        opt_state: an optimizer state (e.g. ``TrainState.opt_state``).
+
+    Returns:
+        The average, shaped like the parameters (the outermost :func:`ema`'s
+        if there are several), or ``None`` when the state holds none.
+
+    Example:
+        >>> from raympi.core import optim
+        >>> opt = optim.chain(optim.sgd(0.1), ema(0.9))
+        >>> ema_params(opt.init({"w": torch.ones(2)}))
+        {'w': tensor([1., 1.])}
+    """
+    found = _find_states(opt_state, _EMA_KEYS)
+    return found[0][1]["ema"] if found else None

@@ -1,0 +1,50 @@
+"""Gradient accumulation: a rank's batch cut into micro-batches that run one after the other.
+
+Part of the functional core (torch alone).  ``train_step`` with
+``accumulate=k`` runs the forward and backward pass on each micro-batch,
+scales each micro-batch's mean loss by ``micro_n / global_n`` (the
+global-batch rule, one level down) and sums the gradients locally, so the
+one cross-rank sum of the step sees the same gradient as without
+accumulation, up to floating-point summation order, while only a
+micro-batch's activations are alive at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raympi.core import pytree
+from raympi.exceptions import ConfigError
+
+MicroBatch = tuple[tuple, dict, torch.Tensor, int]  # model args, model kwargs, targets, sample count
+
+
+def _check(accumulate: Any) -> int:
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ConfigError(f"accumulate must be an int >= 1 (micro-batches per step), got {accumulate!r}")
+    return accumulate
+
+
+def _micro_batches(args: tuple, kwargs: dict, targets: torch.Tensor, n: int, k: int) -> list[MicroBatch]:
+    """Cut a batch into ``min(k, n)`` micro-batches along dim 0, sizes differing by at most one.
+
+    ``torch.tensor_split`` cuts the targets and every input tensor whose first
+    dimension is the batch (``n``); any other input (a 0-d tensor, a tensor of
+    another length, a non-tensor) goes whole to every micro-batch.  The
+    pieces are views: no copy.
+    """
+    k = min(k, n)  # no empty micro-batch
+    if k == 1:
+        return [(args, kwargs, targets, n)]
+    leaves, spec = pytree.flatten((args, kwargs))
+    pieces = [
+        torch.tensor_split(x, k) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == n else [x] * k
+        for x in leaves
+    ]
+    out = []
+    for i, t in enumerate(torch.tensor_split(targets, k)):
+        a, kw = pytree.unflatten([p[i] for p in pieces], spec)
+        out.append((a, kw, t, t.shape[0]))
+    return out

@@ -1,0 +1,206 @@
+"""What a run does for its user: callbacks and early stopping, TensorBoard, safe resume, signals,
+oversubscribed local runs, and errors that point at the setting to change."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import raympi
+from raympi.exceptions import CapacityError, ConfigError, NonFiniteLossError
+
+N = 256
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 8, generator=g)
+    return x, (x[:, 0] > 0).long()
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _fit(tmp_path, name="ck", **kw):
+    options = dict(workers=2, epochs=4, batch_size=32, progress=False, optimizer=raympi.optim.sgd(0.1),
+                   checkpoint_dir=str(tmp_path / name))
+    return raympi.fit(kw.pop("model", None) or _net(), kw.pop("dataset", None) or _data(), **{**options, **kw})
+
+
+class Recorder(raympi.callbacks.Callback):
+    def __init__(self) -> None:
+        self.steps, self.evals, self.checkpoints, self.ended = [], [], [], None
+
+    def on_step(self, record):
+        self.steps.append(record["step"])
+
+    def on_eval(self, record):
+        self.evals.append(record["step"])
+
+    def on_checkpoint(self, path, step):
+        self.checkpoints.append((os.path.basename(path), step))
+
+    def on_end(self, records):
+        self.ended = len(records)
+
+
+def test_callbacks_see_every_step_eval_and_checkpoint(ray_session, tmp_path):
+    rec = Recorder()
+    result = _fit(tmp_path, eval_dataset=_data(), eval_every=8, checkpoint_every=16, callbacks=[rec])
+    assert rec.steps == list(range(1, 33)) and rec.evals == [8, 16, 24, 32]
+    assert rec.checkpoints == [("step-00000016", 16), ("step-00000032", 32)]
+    assert rec.ended == len(result.metrics) == 32
+
+
+def test_early_stopping_ends_the_run_with_a_checkpoint(ray_session, tmp_path):
+    class Flat(nn.Module):  # eval_loss never improves after the first evaluation
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.lin(x) * 0.0
+
+    stopper = raympi.callbacks.EarlyStopping("eval_loss", patience=2)
+    result = _fit(tmp_path, model=Flat(), epochs=20, eval_dataset=_data(), eval_every=4, callbacks=[stopper])
+    assert stopper.stopped_at == 12  # evaluations at 4 (best), 8, 12: two without improvement
+    last = result.metrics[-1]["step"]  # the steps already in flight at 12 are finished, no new ones sent
+    assert 12 <= last <= 16 < 20 * (N // 32)
+    assert result.checkpoint.endswith(f"step-{last:08d}")
+    assert raympi.load_checkpoint(result.checkpoint).step.item() == last
+
+
+def test_tensorboard_event_files_are_readable(ray_session, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _fit(tmp_path, eval_dataset=_data(), eval_every=16, callbacks=[raympi.callbacks.TensorBoard(str(tmp_path / "tb"))])
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"loss", "accuracy", "eval_loss", "eval_accuracy"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 33))
+    assert [e.step for e in events.Scalars("eval_loss")] == [16, 32]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"batch_size": 64}, ["batch_size was 32, now 64"]),
+    ({"seed": 7}, ["seed was 0, now 7"]),
+    ({"dataset": (_data()[0][:200], _data()[1][:200])}, ["num_samples was 256, now 200"]),
+    ({"model": nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))}, ["'0.weight' was of shape [16, 8], now [32, 8]"]),
+])
+def test_resume_with_another_configuration_names_each_difference(ray_session, tmp_path, change, words):
+    _fit(tmp_path, max_steps=5)
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        _fit(tmp_path, resume=True, **change)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    assert "new checkpoint_dir" in str(info.value) and time.monotonic() - start < 10
+
+
+def test_resume_with_the_same_configuration_continues(ray_session, tmp_path):
+    _fit(tmp_path, max_steps=5)
+    result = _fit(tmp_path, resume=True, epochs=2)
+    assert [r["step"] for r in result.metrics] == list(range(1, 17))
+
+
+def test_nan_loss_reaches_the_caller_as_itself_and_skip_works(ray_session, tmp_path):
+    class Exploding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.lin(x) * float("nan") if bool((x.abs() > 100).any()) else self.lin(x)
+
+    x, y = _data()
+    x = x.clone()
+    x[40] = 1000.0  # the batch holding sample 40 gives a NaN loss
+    with pytest.raises(NonFiniteLossError, match=r"rank \d of 2 on \S+ raised NonFiniteLossError"):
+        _fit(tmp_path, model=Exploding(), dataset=(x, y), epochs=1)
+    result = _fit(tmp_path, "skip", model=Exploding(), dataset=(x, y), epochs=1, on_nonfinite="skip")
+    assert len(result.metrics) == N // 32 and sum(bool(r.get("nonfinite")) for r in result.metrics) == 1
+
+
+def test_use_gpu_on_a_cpu_cluster_points_at_use_gpu(ray_session, tmp_path):
+    with pytest.raises(CapacityError, match="use_gpu=False"):
+        _fit(tmp_path, use_gpu=True, startup_timeout_s=5)
+
+
+DRIVER = """
+import sys, time, torch, raympi
+from torch import nn
+
+class Slow(nn.Sequential):
+    def forward(self, x):
+        time.sleep(0.02)
+        return super().forward(x)
+
+torch.manual_seed(0)
+x = torch.randn(2048, 8); y = (x[:, 0] > 0).long()
+raympi.fit(Slow(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), (x, y), workers=int(sys.argv[2]), epochs=3, batch_size=32,
+           checkpoint_dir=sys.argv[1], checkpoint_every=10, progress=False if sys.argv[3] == "quiet" else None, address="local")
+print("finished", flush=True)
+"""
+
+
+def test_ctrl_c_writes_a_checkpoint_and_says_how_to_resume(tmp_path):
+    folder = tmp_path / "ck"
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(folder), "2", "quiet"], stderr=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (folder / "step-00000020").exists() and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.05)
+    os.killpg(driver.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
+    out, err = driver.communicate(timeout=90)
+    assert driver.returncode != 0 and "finished" not in out
+    step = raympi.load_checkpoint(str(folder)).step.item()
+    assert step >= 20
+    assert f"interrupted (Ctrl-C) after step {step}; checkpoint written to" in err and "resume=True" in err
+    assert "ray/_private" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+def test_more_workers_than_cores_on_a_local_run_are_oversubscribed(tmp_path):
+    workers = os.cpu_count() + 1
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    done = subprocess.run([sys.executable, "-c", DRIVER.replace("epochs=3", "max_steps=6"), str(tmp_path / "ck"), str(workers), "loud"],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-3000:]
+    assert f"warning: {workers} workers on {os.cpu_count()} CPU(s): running them oversubscribed" in done.stderr
+
+
+def test_accumulation_metrics_lr_and_ema_through_fit(ray_session, tmp_path):
+    """accumulate=4 gives the update of accumulate=1; user metrics, the injected lr and the EMA are reported."""
+    def mae(outputs, targets):
+        return (outputs.argmax(1) != targets).float().mean()
+
+    opt = raympi.optim.chain(raympi.optim.inject_hyperparams(raympi.optim.sgd)(lr=raympi.optim.cosine_decay(0.1, 32)),
+                             raympi.optim.ema(0.9))
+    kw = dict(optimizer=opt, metrics={"error": mae}, eval_dataset=_data(), eval_every=16)
+    one = _fit(tmp_path, "one", **kw)
+    four = _fit(tmp_path, "four", accumulate=4, eval_with_ema=True, **kw)
+    diff = max((one.state.params[k] - four.state.params[k]).abs().max().item() for k in one.state.params)
+    assert diff < 1e-5
+    last = one.metrics[-1]
+    assert abs(last["error"] - (1 - last["accuracy"])) < 1e-6 and "eval_error" in last
+    assert [round(r["lr"], 6) for r in one.metrics[:2]] == [0.1, round(raympi.optim.cosine_decay(0.1, 32)(1), 6)]
+    assert one.ema is not None and set(one.ema) == set(one.state.params)
+    assert four.metrics[-1]["eval_loss"] != one.metrics[-1]["eval_loss"]  # evaluated with the EMA weights
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_through_fit_trains_like_fp32(ray_session, tmp_path, precision):
+    base = _fit(tmp_path, "fp32", optimizer=raympi.optim.adam(1e-2), eval_dataset=_data())
+    mixed = _fit(tmp_path, precision, optimizer=raympi.optim.adam(1e-2), eval_dataset=_data(), precision=precision)
+    assert abs(mixed.metrics[-1]["eval_accuracy"] - base.metrics[-1]["eval_accuracy"]) <= 0.02
+    if precision == "fp16":
+        assert mixed.metrics[0]["loss_scale"] == 2.0**16 and "skipped" in mixed.metrics[-1]
+        assert mixed.state.loss_scale  # the scaler's state is checkpointed with the rest
