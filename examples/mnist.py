@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> raympi.Result:
     parser.add_argument("--subset", type=int, default=0, help="use only the first N training and N/5 test samples")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compression", choices=["bf16", "fp16"], default=None, help="gradients as 16-bit floats on the wire")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="mixed precision of forward and loss")
     args = parser.parse_args(argv)
 
     epochs = args.epochs or (12 if args.augment else 4)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> raympi.Result:
             WideNet() if args.augment else Net(), train, workers=args.workers, epochs=epochs, batch_size=args.batch_size,
             optimizer=raympi.optim.adam(raympi.optim.cosine_decay(args.lr, steps)), eval_dataset=(x_test, y_test),
             seed=args.seed, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-            address=args.address, compression=args.compression,
+            address=args.address, compression=args.compression, precision=args.precision,
         )
     except raympi.RaympiError as exc:  # one line: what went wrong and what to change
         sys.exit(f"mnist.py: {type(exc).__name__}: {exc}")

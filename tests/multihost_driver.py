@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import raympi
-from raympi.driver.group import spans_hosts
+from raympi.driver.capacity import spans_hosts
 
 N = 2048
 

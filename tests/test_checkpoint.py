@@ -74,3 +74,17 @@ def test_empty_dir_has_no_latest(tmp_path):
     assert CheckpointStore(str(tmp_path)).latest() is None
     with pytest.raises(FileNotFoundError):
         raympi.load_checkpoint(str(tmp_path))
+
+
+def test_a_write_removes_leftovers_of_dead_writers_only(tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its PID is gone
+    for name in (f".step-00000005.tmp-{dead.pid}", f".step-00000004.old-{dead.pid}", ".step-00000006.tmp-1"):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "manifest.json").write_text("{}")
+    store = CheckpointStore(str(tmp_path), keep=3)
+    assert store.latest() is None  # leftovers are never taken for checkpoints
+    store.save(_state(7), {"step": 7})
+    assert sorted(os.listdir(tmp_path)) == [".step-00000006.tmp-1", "step-00000007"]  # PID 1 is alive: a write in progress

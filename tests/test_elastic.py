@@ -206,6 +206,18 @@ def test_killed_worker_with_random_augmentation_ends_on_the_uninterrupted_run(cl
     assert _max_diff(plain.state, base.state) > 1e-3  # the augmentation did change the training
 
 
+def test_a_hot_spare_takes_a_killed_workers_place(cluster, uninterrupted, tmp_path):
+    """Two workers on three one-CPU nodes: the third CPU holds a hot spare, which joins at once."""
+    folder = tmp_path / "ck"
+    _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGKILL))
+    result = raympi.fit(_net(), _data(), workers=2, checkpoint_dir=str(folder), **OPTIONS)
+    record = result.restarts[0]
+    assert [r["kind"] for r in result.restarts] == ["worker_lost"], result.restarts
+    assert record["path"] == "warm" and record["spare"] is True and record["world_after"] == 2, record
+    assert record["steps_lost"] == 0 and {"detect_s", "reform_s", "first_step_s", "recovery_s"} <= set(record)
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
 def test_user_exception_fails_fast_without_restart(cluster, tmp_path):
     class Picky(nn.Module):
         def __init__(self):

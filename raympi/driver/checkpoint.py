@@ -6,17 +6,29 @@ tensors, loadable with ``torch.load(weights_only=True)``) and ``manifest.json``
 ``state.pt``).  It is written under a temporary name, flushed, fsynced and then
 renamed, so a reader sees a whole checkpoint or none.  ``checkpoint_dir`` may be
 a local path or an fsspec URI (``s3://...``, ``gs://...``, ``memory://...``).
+
+A kill at any moment leaves no ``step-*`` folder that loads wrong, at most a hidden ``.step-*.tmp-PID``
+(being written) or ``.step-*.old-PID`` (being deleted), removed by the next write once PID is gone.
+A write that fails on storage (any ``OSError``: a full disk or quota, a read-only or vanished mount,
+an object store's error) costs that checkpoint only: its temporary folder is removed, older ones stay
+intact, and the driver warns (the folder, on a full disk the free and needed space, the checkpoint a
+restart would use) and trains on.  ``wait(strict=True)`` still raises what means the state itself is
+lost: rank 0 did not hand it over, or it cannot be serialized.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
 import posixpath
 import queue
+import re
+import shutil
 import threading
 import warnings
 from typing import Any
@@ -28,6 +40,8 @@ from raympi.exceptions import ConfigError, WorkerLostError
 __all__ = ["CheckpointStore", "load_checkpoint", "CORRUPT_WARNING"]
 
 CORRUPT_WARNING = "raympi checkpoint unusable"
+_LEFTOVER = re.compile(r"\.step-\d+\.(?:tmp|old)-(\d+)|\.write-test-(\d+)")  # what a write leaves if killed
+_IN_FLIGHT: set[str] = set()  # this process's folders being written or deleted (any store)
 
 
 def _is_local(root: str) -> bool:
@@ -52,12 +66,15 @@ class CheckpointStore:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority)
         self._pending: list[concurrent.futures.Future] = []
         self._saved: queue.SimpleQueue = queue.SimpleQueue()
+        self._lost: queue.SimpleQueue = queue.SimpleQueue()  # why a write failed, warned on the driver's thread
         try:
             self.fs.makedirs(self._path, exist_ok=True)
             probe = posixpath.join(self._path, f".write-test-{os.getpid()}")
+            _IN_FLIGHT.add(probe)  # not a leftover
             with self.fs.open(probe, "wb") as f:
                 f.write(b"ok")
             self.fs.rm(probe)
+            _IN_FLIGHT.discard(probe)
         except OSError as exc:
             raise ConfigError(f"checkpoint_dir={root!r} is not writable ({exc.strerror or exc}): choose another checkpoint_dir") from None
 
@@ -75,15 +92,11 @@ class CheckpointStore:
         return future
 
     def drain_saved(self) -> list[tuple[str, int, dict[str, Any]]]:
-        """The checkpoints written since the last call, oldest first: ``(path, step, state)``."""
-        out = []
-        while True:
-            try:
-                out.append(self._saved.get_nowait())
-            except queue.Empty:
-                return out
+        """The checkpoints written since the last call, oldest first: ``(path, step, state)``; warns of lost ones."""
+        self._warn_lost()
+        return _drain(self._saved)
 
-    def _save_ref(self, state: Any, manifest: dict[str, Any]) -> str:
+    def _save_ref(self, state: Any, manifest: dict[str, Any]) -> str | None:
         if not isinstance(state, dict):
             import ray
 
@@ -94,7 +107,11 @@ class CheckpointStore:
             except ray.exceptions.GetTimeoutError:
                 raise WorkerLostError(f"rank 0 did not hand over its state for step {manifest['step']} within "
                                       f"{self.fetch_timeout_s:g} s (startup_timeout_s)") from None
-        path = self.save(state, manifest)
+        try:
+            path = self.save(state, manifest)
+        except OSError as exc:  # storage, not the state: warn, keep training on the previous checkpoint
+            self._lost.put(f"{exc.strerror or exc}; training goes on")
+            return None
         self._saved.put((path, int(manifest["step"]), state))  # handed to the driver's thread, never shared
         return path
 
@@ -103,10 +120,15 @@ class CheckpointStore:
         pending, self._pending = self._pending, []
         for future in pending:
             error = future.exception()
+            self._warn_lost()
             if error is not None and strict:
                 raise error
             if error is not None:
                 warnings.warn(f"a checkpoint was lost with its worker ({type(error).__name__}); the previous one is used", stacklevel=2)
+
+    def _warn_lost(self) -> None:
+        for message in _drain(self._lost):
+            warnings.warn(message, stacklevel=3)
 
     def close(self) -> None:
         """Finish the pending writes and stop the writer thread."""
@@ -121,39 +143,80 @@ class CheckpointStore:
         torch.save(state, buffer)
         blob = buffer.getbuffer()  # no copy
         manifest = {**manifest, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+        meta = json.dumps(manifest, indent=1, default=repr).encode()
         name = f"step-{int(manifest['step']):08d}"
         final = posixpath.join(self._path, name)
-        tmp = posixpath.join(self._path, f".{name}.tmp-{os.getpid()}")
-        if self.fs.exists(tmp):
-            self.fs.rm(tmp, recursive=True)
-        self.fs.makedirs(tmp, exist_ok=True)
-        self._write(posixpath.join(tmp, "state.pt"), blob)
-        self._write(posixpath.join(tmp, "manifest.json"), json.dumps(manifest, indent=1, default=repr).encode())
-        if self.fs.exists(final):
-            self.fs.rm(final, recursive=True)
-        if _is_local(self.root):
-            _fsync_dir(tmp)
-            os.rename(tmp, final)
-            _fsync_dir(self._path)
-        else:
-            self.fs.mv(tmp, final, recursive=True)
+        tmp, old = (posixpath.join(self._path, f".{name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
+        replaced = False
+        try:
+            self._remove_leftovers()
+            _IN_FLIGHT.update((tmp, old))
+            self._write(posixpath.join(tmp, "state.pt"), blob)
+            self._write(posixpath.join(tmp, "manifest.json"), meta)
+            replaced = self.fs.exists(final)
+            if replaced:  # the same step again: set the old one aside first, a rename is atomic
+                self._rename(final, old)
+            self._rename(tmp, final)
+        except OSError as exc:
+            _remove(self.fs, tmp)
+            with contextlib.suppress(OSError):
+                if replaced and not self.fs.exists(final):
+                    self._rename(old, final)  # the previous copy of this step stays
+            raise OSError(exc.errno, self._why_lost(name, exc, len(blob) + len(meta))) from exc
+        finally:
+            _IN_FLIGHT.difference_update((tmp, old))
+        if replaced:
+            _remove(self.fs, old)
         self._prune()
         return final if _is_local(self.root) else f"{self.root.rstrip('/')}/{name}"
 
+    def _why_lost(self, name: str, exc: OSError, needed: int) -> str:
+        """A failed write's message: the folder, on a full disk the space, and the checkpoint a restart uses."""
+        full = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno)
+        free = f"{shutil.disk_usage(self._path).free / 1e6:.1f} MB free, " if full and _is_local(self.root) else ""
+        why = f"{full} on {self._path} ({free}{needed / 1e6:.1f} MB needed)" if full else f"{exc.strerror or exc} on {self._path}"
+        try:
+            names = self._names()
+        except OSError:
+            names = []
+        still = f"the newest checkpoint is still {names[-1]}" if names else "there is no checkpoint yet"
+        return f"checkpoint {name} not written: {why}; {still}"
+
+    def _rename(self, src: str, dst: str) -> None:
+        if _is_local(self.root):
+            os.rename(src, dst)
+            return _fsync_dir(self._path)
+        self.fs.mv(src, dst, recursive=True)
+
+    def _remove_leftovers(self) -> None:
+        """Remove what writes killed midway left (their process is gone), or this process's failed ones."""
+        for name in self._names(prefix="."):
+            path = posixpath.join(self._path, name)
+            if (match := _LEFTOVER.fullmatch(name)) and path not in _IN_FLIGHT and not _alive(int(match[1] or match[2])):
+                _remove(self.fs, path)
+
     def _write(self, path: str, data: bytes) -> None:
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         with self.fs.open(path, "wb") as f:
             f.write(data)
             if _is_local(self.root):
                 f.flush()
                 os.fsync(f.fileno())
+                _fsync_dir(posixpath.dirname(path))
 
-    def _names(self) -> list[str]:
+    def _names(self, prefix: str = "step-") -> list[str]:
         entries = self.fs.ls(self._path, detail=False) if self.fs.exists(self._path) else []
-        return sorted(posixpath.basename(e.rstrip("/")) for e in entries if posixpath.basename(e.rstrip("/")).startswith("step-"))
+        return sorted(name for e in entries if (name := posixpath.basename(e.rstrip("/"))).startswith(prefix))
 
     def _prune(self) -> None:
-        for name in self._names()[: -self.keep]:
-            self.fs.rm(posixpath.join(self._path, name), recursive=True)
+        """Keep the newest ``keep``; each older one is renamed aside first, so a kill never leaves half of one."""
+        try:
+            for name in self._names()[: -self.keep]:
+                aside = posixpath.join(self._path, f".{name}.old-{os.getpid()}")
+                self._rename(posixpath.join(self._path, name), aside)
+                _remove(self.fs, aside)
+        except OSError:
+            pass  # the checkpoint is written; the next write prunes again
 
     def latest(self) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
         """``(path, manifest, state)`` of the newest valid checkpoint; broken ones are reported and skipped."""
@@ -179,6 +242,30 @@ def _read(fs: Any, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if hashlib.sha256(blob).hexdigest() != manifest.get("sha256"):
         raise ValueError(f"checksum mismatch ({len(blob)} bytes, manifest says {manifest.get('bytes')})")
     return manifest, torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def _drain(messages: queue.SimpleQueue) -> list[Any]:
+    out = []
+    while True:
+        try:
+            out.append(messages.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether another process ``pid`` runs on this host (this one's folders not in flight are failed writes)."""
+    try:
+        return pid != os.getpid() and os.kill(pid, 0) is None
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process
+        return True
+
+
+def _remove(fs: Any, path: str) -> None:
+    with contextlib.suppress(OSError):  # absent, or a leftover the next write removes
+        fs.rm(path, recursive=True)
 
 
 def _background_priority() -> None:

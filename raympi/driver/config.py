@@ -75,6 +75,7 @@ class FitConfig(BaseModel):
     progress: Optional[bool] = Field(None, description="progress bar; default: when stderr is a terminal")
     address: Optional[str] = Field(None, description="Ray cluster to join ('auto'); default RAY_ADDRESS or a new local instance")
     min_workers: Optional[int] = Field(None, ge=1, description="fewest workers to continue with after a failure; default: workers")
+    spares: Optional[int] = Field(None, ge=0, description="hot spare workers kept ready outside the communicator; default 1 when the cluster has room beyond workers, else 0")
     max_restarts: int = Field(3, ge=0, description="infrastructure failures (lost worker or node, hung rank) survived before giving up")
     restart_timeout_s: float = Field(60.0, gt=0, description="how long a restart waits for capacity of at least min_workers")
     startup_timeout_s: float = Field(120.0, gt=0, description="placing the workers, starting them and forming MPI")

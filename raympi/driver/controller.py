@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from raympi.driver import recovery
 from raympi.driver.checkpoint import CheckpointStore
-from raympi.driver.group import WorkerGroup, cluster_capacity, worker_bundle
+from raympi.driver.capacity import cluster_capacity, worker_bundle
+from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
 from raympi.driver.callbacks import Dispatcher
 from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, Raise, Warm, decide
@@ -60,6 +61,7 @@ class Controller:
         self.signal: str | None = None  # why the driver was asked to stop (SIGTERM, Ctrl-C)
         self.callbacks = Dispatcher(cfg.callbacks)
         self._detected = 0.0
+        self._last_progress = self._reformed_at = time.monotonic()  # the last chunk completed; the last re-formation
         self._recovered_at: float | None = None  # when the newest restart record's failure was noticed
 
     # -- the state machine ------------------------------------------------------------------------
@@ -105,6 +107,7 @@ class Controller:
         self._enter(Phase.STARTING)
         try:
             self.group = self._new_group(self.cfg.workers, self.run.newest and self.run.newest.state)
+            self._last_progress = time.monotonic()
             self.announce(f"training from step {self.run.step} (the first step also warms up autograd and MPI)")
         except Failed as failed:
             return dataclasses.replace(failed.failure, phase=Phase.STARTING.value)
@@ -114,7 +117,15 @@ class Controller:
 
     def _new_group(self, world: int, state: Any, place_timeout_s: float | None = None) -> WorkerGroup:
         return WorkerGroup(self.cfg, world, self.spec, state, self.ray_dataset, place_timeout_s=place_timeout_s,
-                           announce=self.announce)
+                           announce=self.announce, spares=self._spares(world))
+
+    def _spares(self, world: int) -> int:
+        """Hot spares: as configured, else one when the cluster has room beyond the workers (none for Ray Data)."""
+        if self.ray_dataset is not None:
+            return 0
+        if self.cfg.spares is not None:
+            return self.cfg.spares
+        return 1 if cluster_capacity(self._bundle()) > world else 0
 
     def _decide(self, failure: Failure) -> Decision:
         """RECOVERING: what the policy says about ``failure``."""
@@ -128,10 +139,17 @@ class Controller:
     def _carry_out(self, decision: Decision, failure: Failure) -> Failure | None:
         """Carry a Raise, Grow, Warm or Cold out; returns a follow-up failure, if any."""
         detected, world_before, restarts = self._detected, self.group.world if self.group else 0, len(self.run.restarts)
+        spares_used = self.group.spares_used if self.group else 0
         try:
             return self._apply(decision, failure, detected, world_before)
         finally:
-            for record in self.run.restarts[restarts:]:
+            now = time.monotonic()
+            new = [{**r, "detect_s": detected - self._last_progress, "reform_s": now - detected,
+                    "spare": bool(self.group and self.group.spares_used > spares_used and r.get("path") == "warm")}
+                   for r in self.run.restarts[restarts:]]
+            self.run = dataclasses.replace(self.run, restarts=(*self.run.restarts[:restarts], *new))
+            self._reformed_at = now
+            for record in new:
                 self.callbacks.restart(record)
 
     def _apply(self, decision: Decision, failure: Failure, detected: float, world_before: int) -> Failure | None:
@@ -175,10 +193,13 @@ class Controller:
     def completed(self, chunk: Chunk, records: list[dict[str, Any]]) -> Failure | None:
         """Steps done: record them, report progress; a ready replacement asks to drain and grow."""
         restarts = self.run.restarts
+        now = time.monotonic()
         if self._recovered_at is not None and restarts:
-            # failure noticed -> first step completed after it
-            restarts = (*restarts[:-1], {**restarts[-1], "recovery_s": time.monotonic() - self._recovered_at})
+            # failure noticed -> first step completed after it, and re-formed -> that step
+            restarts = (*restarts[:-1], {**restarts[-1], "recovery_s": now - self._recovered_at,
+                                         "first_step_s": now - self._reformed_at})
             self._recovered_at = None
+        self._last_progress = now
         self.run = dataclasses.replace(self.run, history=(*self.run.history, *records), restarts=restarts)
         self._collect()
         self.progress.update(chunk.last, records[-1], force=chunk.eval is not None or chunk.last == self.plan.total)

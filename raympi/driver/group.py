@@ -7,7 +7,6 @@ group that failed is never reused.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -17,45 +16,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raympi import comm
 from raympi.deadline import Deadline, Expired, each_done
+from raympi.driver.capacity import cluster_capacity, spans_hosts, worker_bundle
 from raympi.driver.config import FitConfig
 from raympi.driver.policy import Failed, Failure, FailureKind
 from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
 
-__all__ = ["WorkerGroup", "cluster_capacity", "spans_hosts", "worker_bundle"]
-
-
-def worker_bundle(cfg: FitConfig, use_gpu: bool) -> dict[str, float]:
-    """The resources one worker holds."""
-    bundle = dict(cfg.resources_per_worker)
-    if use_gpu:
-        bundle["GPU"] = max(1.0, bundle.get("GPU", 0.0))
-    return bundle
-
-
-def _room(node: dict[str, Any], bundle: dict[str, float]) -> int:
-    """How many bundles of ``bundle`` a live node's total resources hold (0 for a dead node)."""
-    if not node.get("Alive"):
-        return 0
-    res = node.get("Resources", {})
-    return min((math.floor(res.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0), default=0)
-
-
-def cluster_capacity(bundle: dict[str, float]) -> int:
-    """How many bundles of ``bundle`` the live nodes could host, counting their total resources."""
-    return sum(_room(node, bundle) for node in ray.nodes())
-
-
-def spans_hosts(bundle: dict[str, float], placed: Sequence[str]) -> bool:
-    """Whether a group may span hosts: its placed nodes or any live node that could host one more worker.
-
-    Replacements started later (warm restart, growing back) inherit the group's MPI environment
-    and may land on another host than the original ranks, so the choice counts every live node
-    that could host a worker, not only where the ranks are now.
-    """
-    ips = {node.get("NodeManagerAddress") for node in ray.nodes()
-           if node.get("Alive") and (node["NodeID"] in placed or _room(node, bundle) >= 1)}
-    return len(ips) > 1
+__all__ = ["WorkerGroup"]
 
 
 class WorkerGroup:
@@ -69,6 +36,8 @@ class WorkerGroup:
         ray_dataset: a ``ray.data.Dataset`` and its columns, split over the ranks; else ``None``.
         place_timeout_s: a shorter deadline for placing the workers (restarts count capacity again sooner).
         announce: says what the start is doing, a line at a time.
+        spares: hot spares to keep: workers started ahead of need (torch imported, model and data
+            loaded) outside the communicator, on resources the workers do not use.
 
     Raises:
         CapacityError: the workers could not be placed or started within ``startup_timeout_s``.
@@ -77,14 +46,16 @@ class WorkerGroup:
 
     def __init__(self, cfg: FitConfig, world: int, spec: WorkerSpec, state: Any,
                  ray_dataset: tuple[Any, tuple[str, str]] | None = None, place_timeout_s: float | None = None,
-                 announce: Callable[[str], None] = lambda text: None) -> None:
+                 announce: Callable[[str], None] = lambda text: None, spares: int = 0) -> None:
         self.cfg = cfg
         self.world = world
         self.actors: list[Any] = []
         self.hosts: list[str] = []
         self.nodes: list[str] = []
         self.pg = None
-        self.pending: list[tuple[Any, int, Any]] = []  # replacements still starting: (actor, bundle, ready ref)
+        self.pending: list[tuple[Any, Any, Any]] = []  # replacements still starting: (actor, bundle, ready ref)
+        self.spares: list[tuple[Any, Any, Any]] = []  # hot spares: (actor, bundle or None, ready ref)
+        self.spares_used = 0
         deadline = Deadline(cfg.startup_timeout_s, "startup_timeout_s")
         self.bundle = worker_bundle(cfg, spec.device == "cuda")
         try:
@@ -113,30 +84,57 @@ class WorkerGroup:
             columns = ray_dataset[1] if ray_dataset else None
             self.pids = self.gather([a.setup.remote(self.state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
                                     deadline, "setting up the workers", startup=True)
+            for _ in range(spares):
+                self._start_spare(None)
         except BaseException:
             self.shutdown()
             raise
 
-    def _spawn(self, bundle_index: int, rank: int) -> Any:
+    def _spawn(self, bundle_index: int | None, rank: int) -> Any:
+        """A worker actor in bundle ``bundle_index`` of the placement group, or outside it (``None``: a spare)."""
         bundle = self.bundle
+        strategy = (PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index)
+                    if bundle_index is not None else "DEFAULT")
         return ray.remote(concurrency_groups={"health": 1})(Worker).options(
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
             resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index),
-            runtime_env={"env_vars": self._env}, max_restarts=0,
+            scheduling_strategy=strategy, runtime_env={"env_vars": self._env}, max_restarts=0,
         ).remote(self._spec_ref, rank)
 
-    def replace(self, failed: list[int]) -> None:
-        """Kill the ``failed`` ranks and start replacements in the background where live nodes have room.
+    def _start_spare(self, bundle_index: int | None) -> None:
+        """A hot spare in a freed bundle of the group, or outside the group where the cluster has room now."""
+        if bundle_index is None and any(ray.available_resources().get(k, 0) < v for k, v in self.bundle.items()):
+            return  # no room beyond the workers': a spare must never hold what they need
+        actor = self._spawn(bundle_index, rank=-1)
+        self.spares.append((actor, bundle_index, actor.__ray_ready__.remote()))
 
-        The replacements wait in :attr:`pending` until :meth:`reform` takes them in.
+    def replace(self, failed: list[int]) -> None:
+        """Kill the ``failed`` ranks; hot spares take their places at once, replacements start in the
+        background for the rest where live nodes have room, and new spares start in the freed bundles.
+
+        The spares and replacements wait in :attr:`pending` until :meth:`reform` takes them in.
         """
         for r in failed:
             ray.kill(self.actors[r], no_restart=True)
+        alive, ready = [], []
+        for spare in self.spares:
+            done = bool(ray.wait([spare[2]], timeout=0)[0])
+            if done and not _ok(spare[2]):  # died starting (its node is gone, say)
+                ray.kill(spare[0], no_restart=True)
+                continue
+            (ready if done else alive).append(spare)
+        alive, self.spares = ready + alive, []  # ready spares first
         room = max(0, cluster_capacity(self.bundle) - (self.world - len(failed)) - len(self.pending))
-        for r in failed[:room]:  # a lost node's bundle has nowhere to go until capacity returns
-            actor = self._spawn(self.bundles[r], rank=-1)
-            self.pending.append((actor, self.bundles[r], actor.__ray_ready__.remote()))
+        for r in failed:
+            if alive:  # a spare (ready, or nearly) takes the rank; a new spare takes the freed bundle
+                self.pending.append(alive.pop(0))
+                self.spares_used += 1
+                self._start_spare(self.bundles[r])
+            elif room > 0:  # a lost node's bundle has nowhere to go until capacity returns
+                room -= 1
+                actor = self._spawn(self.bundles[r], rank=-1)
+                self.pending.append((actor, self.bundles[r], actor.__ray_ready__.remote()))
+        self.spares.extend(alive)
 
     def pending_ready(self) -> bool:
         """Whether a replacement started by :meth:`replace` is ready to join."""
@@ -260,9 +258,9 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every actor and release the placement group (idempotent)."""
-        for actor in self.actors + [a for a, _, _ in self.pending]:
+        for actor in self.actors + [a for a, _, _ in self.pending + self.spares]:
             ray.kill(actor, no_restart=True)
-        self.actors, self.pending = [], []
+        self.actors, self.pending, self.spares = [], [], []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
@@ -272,3 +270,12 @@ def _clean(trace: str) -> str:
     """A remote traceback without colour codes and without the ``^^^^`` marker lines."""
     lines = re.sub(r"\x1b\[[0-9;]*m", "", trace).splitlines()
     return "\n".join(line for line in lines if line.strip(" ^~"))
+
+
+def _ok(ref: Any) -> bool:
+    """Whether a finished task succeeded (a spare that died starting did not)."""
+    try:
+        ray.get(ref, timeout=0)
+        return True
+    except ray.exceptions.RayError:
+        return False

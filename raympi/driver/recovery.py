@@ -17,7 +17,8 @@ from typing import Any, Callable
 import ray
 
 from raympi.deadline import Deadline
-from raympi.driver.group import WorkerGroup, cluster_capacity
+from raympi.driver.capacity import cluster_capacity
+from raympi.driver.group import WorkerGroup
 from raympi.driver.policy import Failed, Failure, FailureKind, Warm
 from raympi.driver.run_state import RunState
 from raympi.exceptions import CapacityError, FormationError

@@ -117,7 +117,6 @@ class Worker(comm.Member):
         state_tree = (TrainState.create(self.model, self.optimizer, seed=seed, loss_scaling=scaling) if state is None
                       else TrainState.from_dict(state))
         self._own(state_tree)
-        self.logs_hyperparams = bool(optim.current_hyperparams(self.state.opt_state))  # inject_hyperparams: log them
         return os.getpid()
 
     def rejoin(self, root: int) -> int:
@@ -144,6 +143,7 @@ class Worker(comm.Member):
         # Steps donate the state's memory (update in place), so the state must be this actor's own:
         # what came through Ray may be read-only object-store memory.
         self.state = pytree.map(lambda t: t.to(self.device).clone() if isinstance(t, torch.Tensor) else t, state)
+        self.logs_hyperparams = bool(optim.current_hyperparams(self.state.opt_state))  # inject_hyperparams: log them
 
     def _to_device(self, batch: Any) -> Any:
         if self.device.type == "cpu":
