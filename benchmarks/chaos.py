@@ -1,0 +1,210 @@
+"""Chaos soak: a seeded schedule of faults against one long ``raympi.fit``, on a multi-node cluster.
+
+A ``ray.cluster_utils.Cluster`` of one-CPU nodes (the head holds none) runs ``workers`` ranks with
+one node to spare.  Every ``--every`` seconds one fault from a fixed-seed schedule hits the run:
+kill -9 of a worker, SIGSTOP of a worker (a hang), removing a node and adding one back, SIGTERM of
+a worker (a preemption), and kill -9 of a worker while a checkpoint is being written.  The same
+training runs once without faults first.  Printed: faults injected and recovered, steps lost,
+throughput against the fault-free run, final parameters against it, and processes left over.
+
+    python benchmarks/chaos.py                    # 5 minutes, a fault every ~15 s
+    python benchmarks/chaos.py --quick            # about a minute, 4 faults
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from unittest import mock
+
+import psutil
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import raympi  # noqa: E402
+
+FAULTS = ["kill", "stop", "node", "sigterm", "kill_in_checkpoint"]
+N, DIM = 4096, 20
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, DIM, generator=g)
+    return x, (x[:, 0] + x[:, 1] > 0).long()
+
+
+class Slow(nn.Sequential):
+    """An MLP taking at least 15 ms a step, so that faults land mid-step."""
+
+    def forward(self, x):
+        time.sleep(0.015)
+        return super().forward(x)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return Slow(nn.Linear(DIM, 64), nn.ReLU(), nn.Linear(64, 2))
+
+
+def worker_processes() -> list[psutil.Process]:
+    """Live raympi worker processes (Ray titles them 'ray::Worker...'), oldest first."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status", "create_time"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0].startswith("ray::Worker") and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return sorted(found, key=lambda p: p.info["create_time"])
+
+
+def _victim(rng: random.Random) -> psutil.Process | None:
+    """A worker that is (most likely) a rank: the youngest worker is the hot spare when there is one."""
+    procs = worker_processes()
+    return rng.choice(procs[:-1] if len(procs) > 1 else procs) if procs else None
+
+
+class Chaos:
+    """Injects the schedule's faults into a running fit, from a background thread."""
+
+    def __init__(self, cluster, folder: Path, faults: int, every_s: float, seed: int) -> None:
+        self.cluster, self.folder, self.faults, self.every_s = cluster, folder, faults, every_s
+        self.rng = random.Random(seed)
+        self.schedule = [FAULTS[i % len(FAULTS)] for i in range(faults)]
+        self.rng.shuffle(self.schedule)
+        self.injected: list[tuple[float, str]] = []
+        self.added: list = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        if self.stop.wait(self.every_s / 2):  # let the run start
+            return
+        for fault in self.schedule:
+            getattr(self, "_" + fault)()
+            self.injected.append((time.time(), fault))
+            if self.stop.wait(self.every_s * self.rng.uniform(0.8, 1.2)):
+                return
+
+    def _signal(self, sig: int) -> None:
+        victim = _victim(self.rng)
+        if victim is not None:
+            try:
+                os.kill(victim.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _stop(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def _sigterm(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _kill_in_checkpoint(self) -> None:
+        deadline = time.monotonic() + self.every_s
+        while time.monotonic() < deadline and not any(p.name.startswith(".step-") for p in self.folder.iterdir()):
+            time.sleep(0.002)
+        self._signal(signal.SIGKILL)
+
+    def _node(self) -> None:
+        import ray
+
+        busy = {w.node_id for w in self.cluster.worker_nodes}
+        alive = [n for n in self.cluster.worker_nodes if n.node_id in busy]
+        if len(alive) <= 1:
+            return
+        self.cluster.remove_node(self.rng.choice(alive))
+        # Cluster.add_node installs a SIGTERM handler (main thread only): not from this thread.
+        with mock.patch("ray._private.utils.set_sigterm_handler", lambda handler: None):
+            self.added.append(self.cluster.add_node(num_cpus=1))
+        ray.nodes()
+
+
+def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 15.0, seed: int = 0,
+        out: Path | None = None) -> dict:
+    """Fault-free run, then the same run under chaos; returns the figures."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    out = out or Path("benchmarks/out/chaos")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(workers + 1):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="ERROR")
+    options = dict(workers=workers, max_steps=steps, epochs=10_000, batch_size=64, checkpoint_every=25, progress=False,
+                   seed=seed, optimizer=raympi.optim.sgd(0.05, momentum=0.9), step_timeout_s=4.0, restart_timeout_s=30.0,
+                   max_restarts=faults + 5)
+    try:
+        start = time.monotonic()
+        clean = raympi.fit(_net(), _data(), checkpoint_dir=str(out / f"clean-{seed}"), **options)
+        clean_s = time.monotonic() - start
+        folder = out / f"chaos-{seed}"
+        folder.mkdir(parents=True, exist_ok=True)
+        chaos = Chaos(cluster, folder, faults, every_s, seed)
+        chaos.thread.start()
+        start = time.monotonic()
+        try:
+            result = raympi.fit(_net(), _data(), checkpoint_dir=str(folder), **options)
+        finally:
+            chaos.stop.set()
+            chaos.thread.join()
+        chaos_s = time.monotonic() - start
+        deadline = time.monotonic() + 30  # killed actors take a moment to go
+        while worker_processes() and time.monotonic() < deadline:
+            time.sleep(0.25)
+        left = worker_processes()
+        for p in left:  # a SIGSTOPped process that escaped would hold the run's resources
+            p.kill()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    diff = max((clean.state.params[k] - result.state.params[k]).abs().max().item() for k in clean.state.params)
+    counted = [r for r in result.restarts if r["kind"] in ("worker_lost", "hung", "collective", "formation")]
+    return {
+        "faults injected": len(chaos.injected), "by kind": ", ".join(f for _, f in chaos.injected),
+        "restart records": len(result.restarts), "failures recovered": len(counted),
+        "warm / cold": f"{sum(r['path'] == 'warm' for r in result.restarts)} / {sum(r['path'] == 'cold' for r in result.restarts)}",
+        "spares used": sum(bool(r.get("spare")) for r in result.restarts),
+        "steps lost (beyond the step in flight)": sum(max(0, r.get("steps_lost", 0)) for r in result.restarts),
+        "steps": f"{len(result.metrics)} of {steps}, contiguous: {[r['step'] for r in result.metrics] == list(range(1, steps + 1))}",
+        "throughput vs fault-free": f"{clean_s / chaos_s:.2f} ({steps / chaos_s:.1f} vs {steps / clean_s:.1f} steps/s)",
+        "max |param - fault-free param|": f"{diff:.2e}",
+        "median recovery_s": f"{sorted(r.get('recovery_s', float('nan')) for r in result.restarts)[len(result.restarts) // 2] if result.restarts else float('nan'):.2f}",
+        "worker processes left": len(left),
+        "_diff": diff, "_left": len(left), "_ratio": clean_s / chaos_s, "_contiguous": [r["step"] for r in result.metrics] == list(range(1, steps + 1)),
+        "_injected": len(chaos.injected),
+        "_records": [{k: r.get(k) for k in ("kind", "path", "step", "restored_step", "steps_lost", "warm_skipped", "spare", "world_after")}
+                     for r in result.restarts],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="about a minute, 4 faults")
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: ~5 min of training here)")
+    parser.add_argument("--faults", type=int, default=None)
+    parser.add_argument("--every", type=float, default=15.0, help="seconds between faults")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    steps = args.steps or (1800 if args.quick else 10000)
+    faults = args.faults or (4 if args.quick else 20)
+    every = 10.0 if args.quick and args.every == 15.0 else args.every
+    figures = run(args.workers, steps, faults, every, args.seed)
+    print("| figure | value |\n|---|---|")
+    for key, value in figures.items():
+        if not key.startswith("_"):
+            print(f"| {key} | {value} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""A short chaos run: four faults of different kinds against one fit on a multi-node cluster
+(the five-minute soak is benchmarks/chaos.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _chaos():
+    spec = importlib.util.spec_from_file_location("chaos_bench", ROOT / "benchmarks" / "chaos.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_four_faults_recovered_with_nothing_lost(tmp_path):
+    figures = _chaos().run(workers=3, steps=1800, faults=4, every_s=10.0, seed=1, out=tmp_path)
+    assert figures["_injected"] == 4, figures
+    assert figures["failures recovered"] >= 3, figures  # a SIGTERM is a planned re-formation, not a failure
+    assert figures["steps lost (beyond the step in flight)"] == 0, figures["_records"]
+    assert figures["_contiguous"], figures["_records"]
+    assert figures["_diff"] < 1e-4, figures["_records"]
+    assert figures["_left"] == 0, figures
