@@ -297,24 +297,44 @@ class Slow(nn.Sequential):
 
 torch.manual_seed(0)
 x = torch.randn(2048, 20); y = (x[:, 0] > 0).long()
-raympi.fit(Slow(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 2)), (x, y), workers=2, epochs=3, batch_size=32,
-           checkpoint_dir=sys.argv[1], checkpoint_every=10, progress=False, address="local")
+raympi.fit(Slow(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 2)), (x, y), workers=int(sys.argv[2]), epochs=3,
+           batch_size=32, checkpoint_dir=sys.argv[1], checkpoint_every=10, address="local",
+           **({"max_steps": 6} if sys.argv[3] == "short" else {"progress": False}))
+print("finished", flush=True)
 """
 
 
-def test_sigterm_to_the_driver_checkpoints_before_exiting(tmp_path):
+def _driver(folder, workers: int = 2, mode: str = "long"):
     import subprocess
     import sys
 
-    folder = tmp_path / "ck"
     env = {**os.environ, "RAY_ADDRESS": ""}
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(folder)], stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, "-c", DRIVER, str(folder), str(workers), mode], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+@pytest.mark.parametrize("sig, words", [(signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT, "interrupted (Ctrl-C)")])
+def test_sigterm_or_ctrl_c_to_the_driver_checkpoints_before_exiting(tmp_path, sig, words):
+    folder = tmp_path / "ck"
+    driver = _driver(folder)
     deadline = time.monotonic() + 120
     while not (folder / "step-00000020").exists() and time.monotonic() < deadline and driver.poll() is None:
         time.sleep(0.05)
-    driver.send_signal(signal.SIGTERM)
-    _, err = driver.communicate(timeout=60)
-    assert driver.returncode != 0
-    assert "PreemptedError: stopped by SIGTERM after step" in err and "resume=True" in err
+    if sig == signal.SIGINT:
+        os.killpg(driver.pid, sig)  # as a terminal's Ctrl-C: the whole foreground group
+    else:
+        driver.send_signal(sig)
+    out, err = driver.communicate(timeout=90)
+    assert driver.returncode != 0 and "finished" not in out
+    assert f"PreemptedError: {words} after step" in err and "resume=True" in err
     step = raympi.load_checkpoint(str(folder)).step.item()
     assert step > 20 and f"after step {step};" in err
+    assert "ray/_private" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+def test_more_workers_than_cores_on_a_local_run_are_oversubscribed(tmp_path):
+    workers = os.cpu_count() + 1
+    driver = _driver(tmp_path / "ck", workers, "short")
+    out, err = driver.communicate(timeout=240)
+    assert driver.returncode == 0 and "finished" in out, err[-3000:]
+    assert f"warning: {workers} workers on {os.cpu_count()} CPU(s): running them oversubscribed" in err

@@ -1,12 +1,10 @@
-"""What a run does for its user: callbacks and early stopping, TensorBoard, safe resume, signals,
-oversubscribed local runs, and errors that point at the setting to change."""
+"""What a run does for its user: callbacks and early stopping, TensorBoard, safe resume, the
+trainer features through fit, and errors that point at the setting to change (signals and
+oversubscribed local runs: tests/test_elastic.py, which runs drivers in subprocesses)."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -132,49 +130,6 @@ def test_nan_loss_reaches_the_caller_as_itself_and_skip_works(ray_session, tmp_p
 def test_use_gpu_on_a_cpu_cluster_points_at_use_gpu(ray_session, tmp_path):
     with pytest.raises(CapacityError, match="use_gpu=False"):
         _fit(tmp_path, use_gpu=True, startup_timeout_s=5)
-
-
-DRIVER = """
-import sys, time, torch, raympi
-from torch import nn
-
-class Slow(nn.Sequential):
-    def forward(self, x):
-        time.sleep(0.02)
-        return super().forward(x)
-
-torch.manual_seed(0)
-x = torch.randn(2048, 8); y = (x[:, 0] > 0).long()
-raympi.fit(Slow(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), (x, y), workers=int(sys.argv[2]), epochs=3, batch_size=32,
-           checkpoint_dir=sys.argv[1], checkpoint_every=10, progress=False if sys.argv[3] == "quiet" else None, address="local")
-print("finished", flush=True)
-"""
-
-
-def test_ctrl_c_writes_a_checkpoint_and_says_how_to_resume(tmp_path):
-    folder = tmp_path / "ck"
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(folder), "2", "quiet"], stderr=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (folder / "step-00000020").exists() and time.monotonic() < deadline and driver.poll() is None:
-        time.sleep(0.05)
-    os.killpg(driver.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
-    out, err = driver.communicate(timeout=90)
-    assert driver.returncode != 0 and "finished" not in out
-    step = raympi.load_checkpoint(str(folder)).step.item()
-    assert step >= 20
-    assert f"interrupted (Ctrl-C) after step {step}; checkpoint written to" in err and "resume=True" in err
-    assert "ray/_private" not in err and "KeyboardInterrupt" not in err, err[-3000:]
-
-
-def test_more_workers_than_cores_on_a_local_run_are_oversubscribed(tmp_path):
-    workers = os.cpu_count() + 1
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    done = subprocess.run([sys.executable, "-c", DRIVER.replace("epochs=3", "max_steps=6"), str(tmp_path / "ck"), str(workers), "loud"],
-                          capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-3000:]
-    assert f"warning: {workers} workers on {os.cpu_count()} CPU(s): running them oversubscribed" in done.stderr
 
 
 def test_accumulation_metrics_lr_and_ema_through_fit(ray_session, tmp_path):
