@@ -88,24 +88,30 @@ def test_tensorboard_event_files_are_readable(ray_session, tmp_path):
     assert [e.step for e in events.Scalars("eval_loss")] == [16, 32]
 
 
+@pytest.fixture(scope="module")
+def five_steps(ray_session, tmp_path_factory):
+    """A folder whose checkpoint is step 5 of a run (the tests that change the run only read it)."""
+    folder = tmp_path_factory.mktemp("five")
+    _fit(folder, max_steps=5)
+    return folder
+
+
 @pytest.mark.parametrize("change, words", [
     ({"batch_size": 64}, ["batch_size was 32, now 64"]),
     ({"seed": 7}, ["seed was 0, now 7"]),
     ({"dataset": (_data()[0][:200], _data()[1][:200])}, ["num_samples was 256, now 200"]),
     ({"model": nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))}, ["'0.weight' was of shape [16, 8], now [32, 8]"]),
 ])
-def test_resume_with_another_configuration_names_each_difference(ray_session, tmp_path, change, words):
-    _fit(tmp_path, max_steps=5)
+def test_resume_with_another_configuration_names_each_difference(five_steps, change, words):
     start = time.monotonic()
     with pytest.raises(ConfigError) as info:
-        _fit(tmp_path, resume=True, **change)
+        _fit(five_steps, resume=True, **change)
     assert all(w in str(info.value) for w in words), str(info.value)
     assert "new checkpoint_dir" in str(info.value) and time.monotonic() - start < 10
 
 
-def test_resume_with_the_same_configuration_continues(ray_session, tmp_path):
-    _fit(tmp_path, max_steps=5)
-    result = _fit(tmp_path, resume=True, epochs=2)
+def test_resume_with_the_same_configuration_continues(five_steps):
+    result = _fit(five_steps, resume=True, epochs=2)
     assert [r["step"] for r in result.metrics] == list(range(1, 17))
 
 

@@ -235,6 +235,7 @@ def make_train_step(
                     else:
                         torch._foreach_add_(list(grads.values()), list(g.values()))
                         stats = stats + row
+                    del g  # free this micro-batch's gradients before the next one's are made
         finally:
             model.train(was_training)
 
