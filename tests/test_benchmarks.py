@@ -64,3 +64,33 @@ def test_compression_quick():
     errors = {m.group(1): float(m.group(3)) for m in re.finditer(r"^ofi\s+\|\s+(fp32|bf16|fp16)\s*\|\s+([0-9.]+)\s+\|\s+[0-9.]+x\s+\|\s+([0-9.e+-]+)", proc.stdout, re.M)}
     assert set(errors) == {"fp32", "bf16", "fp16"}, proc.stdout
     assert errors["fp32"] < 1e-6 < errors["fp16"] < errors["bf16"] < 1e-2, errors
+
+
+def test_data_benchmark_quick():
+    """benchmarks/data.py --quick: raympi on the augmented Dataset (both loader settings), the cheap transform,
+    the in-memory tensors, torchrun + DDP and Ray Train each train and get a throughput."""
+    proc = _quick("data.py", 600)
+    assert re.search(r"^contender\s+\|\s+what\s+\|\s+min\s+\|\s+median\s+\|\s+max\s+\|\s+x ref\s+\|\s+start s", proc.stdout, re.M), proc.stdout
+    for name in ("raympi-tv-lw0", "raympi-tv-lw1", "raympi-torch-op", "raympi-tensors", "torchrun-ddp", "raytrain"):
+        assert re.search(rf"^{name}\s+\|[^|]+\|\s+[0-9]+\s+\|\s+[0-9]+\s+\|\s+[0-9]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s*$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^  raympi-tv-lw0: [0-9.]+x torchrun-DDP's throughput", proc.stdout, re.M), proc.stdout
+    assert (ROOT / "benchmarks" / "out" / "data.csv").exists() and (ROOT / "benchmarks" / "out" / "data.txt").exists()
+
+
+def test_driver_memory_quick():
+    """benchmarks/driver_memory.py --quick: a lazy Dataset of two sizes, the driver's RSS growth and start time for each."""
+    proc = _quick("driver_memory.py", 300)
+    for label in ("lazy, 4 MB nominal", "lazy, 400 MB nominal", "in-memory tensors \\(control\\)"):
+        row = re.search(rf"^{label}\s+\|\s+[0-9,]+\s+\|\s+(-?[0-9.]+) \(.*\)\s+\|.*\|\s+([0-9.]+) \(", proc.stdout, re.M)
+        assert row, proc.stdout
+        assert 0 < float(row.group(2)) < 120
+    assert re.search(r"^  peak RSS growth, largest over the lazy sizes: -?[0-9.]+ MB", proc.stdout, re.M), proc.stdout
+
+
+def test_survivors_quick():
+    """benchmarks/survivors.py --quick: two kill trials under raympi's default transport; the survivor lives through both."""
+    proc = _quick("survivors.py", 300)
+    assert re.search(r"^setting\s+\|\s+trials\s+\|\s+survivor crashes\s+\|\s+other failures\s+\|\s+23.3 MB ms\s+\|\s+4 KB ms", proc.stdout, re.M), proc.stdout
+    row = re.search(r"^default\s+\|\s+2\s+\|\s+(\d+)\s+\|\s+(\d+)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|", proc.stdout, re.M)
+    assert row, proc.stdout
+    assert (int(row.group(1)), int(row.group(2))) == (0, 0), proc.stdout

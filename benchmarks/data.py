@@ -1,0 +1,408 @@
+"""Training throughput on real data with augmentation: raympi reading a Dataset against DDP's DataLoader.
+
+Fashion-MNIST (60,000 training images), the CNN of examples/mnist.py (``Net``, 108,618 parameters),
+2 workers, global batch 64 (32 per worker), SGD lr 0.01, 1 torch thread per rank, CPU, the same
+initial weights and the same number of steps for everyone.  Contenders, interleaved run by run
+(the order rotated each run):
+
+    raympi tv lw=0     raympi.fit on examples/mnist.py's ``augmented`` Dataset (torchvision FashionMNIST,
+                       RandomCrop(28, padding=2) + RandomHorizontalFlip + ToTensor + Normalize),
+                       loader_workers=0: samples read in the step's own thread (the default at 1 CPU/worker)
+    raympi tv lw=1     the same with loader_workers=1: one forked reading process per worker, prefetching
+    raympi torch-op    raympi.fit on a Dataset of the in-memory uint8 images doing the same crop + flip +
+                       normalize with torch ops (no PIL): a cheap transform, loader_workers=0
+    raympi tensors     raympi.fit on the in-memory (images, labels) tensors, no augmentation: the reference
+                       a cheap transform should come close to (the in-memory fast path, gathered by index)
+    torchrun-ddp       torchrun --standalone --nproc_per_node 2, DDP over gloo, each rank
+                       DataLoader(augmented, batch_size=32, sampler=DistributedSampler, num_workers=1)
+    raytrain           Ray Train TorchTrainer (2 workers, prepare_model: DDP over gloo), the same DataLoader
+
+Throughput is the steady state: samples/s over the steps after the warm-up (start-up excluded).  The
+torchrun and Ray Train ranks time it themselves, between two barriers; raympi from the driver-observed
+times of its metrics records (the records of a chunk are all stamped when it arrives, microseconds apart:
+from the arrival of the chunk holding step ``--warmup`` to that of the last step).  "start s": from the contender's start (the ``fit()``
+call, ``trainer.fit()``, the torchrun launch) to the end of rank 0's first step; Ray's own start
+(``ray.init``, one fresh local Ray per raympi / Ray Train run, as in compare.py) is not included.
+
+Augmentations differ in their random draws between frameworks (raympi seeds each sample from
+(seed, epoch, index); DistributedSampler shuffles differently), so parameters are not compared here:
+compare.py checks that the steps themselves agree.
+
+Run:
+    python benchmarks/data.py                     # 3 runs x 6 contenders, 400 steps (50 warm-up): ~6-10 min on 2 cores
+    python benchmarks/data.py --runs 5 --steps 600
+    python benchmarks/data.py --quick             # 1 run, a 2,048-image subset, 20 steps (5 warm-up): a smoke test
+
+Writes benchmarks/out/data.csv (every run) and benchmarks/out/data.txt (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # noqa: E402  (its torchrun launcher, its Ray start and examples/mnist.py import are reused)
+
+ROOT = compare.ROOT
+MNIST_EXAMPLE = compare.MNIST_EXAMPLE
+OUT = compare.OUT
+WORLD = 2
+PER_WORKER = compare.PER_WORKER  # 32 per rank, global batch 64
+GLOBAL = PER_WORKER * WORLD
+LR = compare.LR
+SEED = compare.SEED
+DATASET = "fashion-mnist"
+CHUNK_GAP_S = 1e-3  # records further apart than this came in different chunks
+
+CONTENDERS = ("raympi-tv-lw0", "raympi-tv-lw1", "raympi-torch-op", "raympi-tensors", "torchrun-ddp", "raytrain")
+LABELS = {
+    "raympi-tv-lw0": "raympi, torchvision aug, loader_workers=0",
+    "raympi-tv-lw1": "raympi, torchvision aug, loader_workers=1",
+    "raympi-torch-op": "raympi, torch-op aug Dataset (cheap)",
+    "raympi-tensors": "raympi, in-memory tensors, no aug",
+    "torchrun-ddp": "torchrun + DDP, DataLoader num_workers=1",
+    "raytrain": "Ray Train, DataLoader num_workers=1",
+}
+REFERENCE = "raympi-tv-lw0"
+
+
+# ---------------------------------------------------------------- the workload (driver, torchrun ranks, Ray Train workers)
+
+def example_defs() -> dict[str, Any]:
+    """The top-level definitions of examples/mnist.py (``Net``, ``augmented``, ``load``...) without ``import raympi``.
+
+    The torchrun ranks and Ray Train's workers need the example's model and Dataset but should not import
+    raympi (and Ray with it); the driver imports the example for real (compare._mnist_module).
+    """
+    tree = ast.parse(MNIST_EXAMPLE.read_text())
+    body = [n for n in tree.body
+            if not (isinstance(n, ast.Import) and any(a.name == "raympi" for a in n.names))
+            and not (isinstance(n, ast.FunctionDef) and n.name == "main") and not isinstance(n, ast.If)]
+    namespace: dict[str, Any] = {"__name__": "raympi_bench_mnist_defs"}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(MNIST_EXAMPLE), "exec"), namespace)
+    return namespace
+
+
+def subset(dataset: Any, n: int) -> Any:
+    return torch.utils.data.Subset(dataset, range(n)) if n else dataset
+
+
+class TorchOpAugment(torch.utils.data.Dataset):
+    """The same augmentation as examples/mnist.py's ``augmented`` in torch ops on in-memory images.
+
+    Random crop 28 of the image zero-padded by 2, horizontal flip with probability 1/2, then
+    ``x / 255``, normalized: what RandomCrop + RandomHorizontalFlip + ToTensor + Normalize do, without PIL.
+    The images are padded once, here, as uint8 (N, 32, 32).
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: float, std: float, padding: int = 2) -> None:
+        self.padded = F.pad(images, (padding,) * 4)  # (N, 28, 28) uint8 -> (N, 32, 32), zeros around
+        self.labels, self.mean, self.std, self.size = labels, mean, std, images.shape[-1]
+        self.span = 2 * padding + 1
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        top, left = torch.randint(0, self.span, (2,)).tolist()
+        img = self.padded[i, top:top + self.size, left:left + self.size]
+        if torch.rand(()) < 0.5:
+            img = img.flip(-1)
+        return img.unsqueeze(0).float().div_(255).sub_(self.mean).div_(self.std), self.labels[i]
+
+
+def _dataloader_loop(spec: dict[str, Any], rank: int, world: int, model: torch.nn.Module, barrier: Callable[[], None]) -> None:
+    """DDP's side: DataLoader(augmented, 32, DistributedSampler, num_workers=1), SGD; timed between barriers."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    torch.set_num_threads(1)
+    dataset = subset(example_defs()["augmented"](DATASET, spec["data_dir"]), spec["subset"])
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True)
+    loader = DataLoader(dataset, batch_size=spec["per_worker"], sampler=sampler, num_workers=1, drop_last=True)
+    opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    steps, warmup = spec["steps"], spec["warmup"]
+    epoch, batches = 0, iter(loader)
+    first_step_wall = t0 = None
+    for s in range(steps):
+        if s == warmup:
+            barrier()
+            t0 = time.perf_counter()
+        try:
+            x, y = next(batches)
+        except StopIteration:  # only with a subset shorter than the run
+            epoch += 1
+            sampler.set_epoch(epoch)
+            batches = iter(loader)
+            x, y = next(batches)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if s == 0:
+            first_step_wall = time.time()
+    barrier()
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps({
+            "ms_per_step": 1000 * elapsed / (steps - warmup), "first_step_wall": first_step_wall, "world": world}))
+
+
+def _child_model(spec: dict[str, Any]) -> torch.nn.Module:
+    model = example_defs()["Net"]()
+    model.load_state_dict(torch.load(spec["init"], weights_only=True))
+    return model
+
+
+def _child(mode: str, spec_path: str) -> None:
+    """A torchrun rank (this file run with --child ddp)."""
+    if mode != "ddp":
+        raise SystemExit(f"unknown child mode {mode!r}")
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    _dataloader_loop(spec, dist.get_rank(), dist.get_world_size(), DDP(_child_model(spec)), dist.barrier)
+    dist.destroy_process_group()
+
+
+def _raytrain_loop(spec: dict[str, Any]) -> None:
+    """Ray Train's train_loop_per_worker: prepare_model wraps the model in DDP (gloo, set up by TorchTrainer)."""
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    model = ray.train.torch.prepare_model(_child_model(spec))
+    _dataloader_loop(spec, ctx.get_world_rank(), ctx.get_world_size(), model, dist.barrier)
+
+
+# ---------------------------------------------------------------- the contenders, seen from the driver
+
+class Inputs:
+    """What the driver prepares once: initial weights, the datasets of the raympi rows."""
+
+    def __init__(self, tmp: Path, data_dir: str, n: int) -> None:
+        mnist = compare._mnist_module()
+        torch.manual_seed(SEED)
+        model = mnist.Net()
+        self.params = sum(p.numel() for p in model.parameters())
+        self.init = str(tmp / "init.pt")
+        torch.save(model.state_dict(), self.init)
+        self.augmented = subset(mnist.augmented(DATASET, data_dir), n)  # also unpacks the IDX files for the children
+        self.tensors = mnist.load(DATASET, data_dir, train=True)
+        raw = mnist._torchvision(DATASET, data_dir, train=True)
+        mean, std = mnist.MEAN_STD[DATASET]
+        images, labels = raw.data, raw.targets.long()
+        if n:
+            self.tensors = (self.tensors[0][:n], self.tensors[1][:n])
+            images, labels = images[:n], labels[:n]
+        self.torch_op = TorchOpAugment(images, labels, mean, std)
+        self.length = len(self.tensors[1])
+
+
+def _steady(metrics: list[dict[str, Any]], steps: int, warmup: int) -> float:
+    """Samples/s from the driver-observed record times, from the end of the chunk holding step ``warmup`` to the last step."""
+    times = {r["step"]: r["time"] for r in metrics}
+    if sorted(times) != list(range(1, steps + 1)):
+        raise RuntimeError(f"raympi reported steps {sorted(times)[:5]}..., not 1..{steps}")
+    # The records of one chunk are stamped one after the other when it arrives (microseconds apart); chunks arrive
+    # at least a step apart.  The last step of each chunk but the last:
+    ends = [s for s in range(1, steps) if times[s + 1] - times[s] > CHUNK_GAP_S]
+    if not ends:
+        raise RuntimeError(f"all {steps} steps came in one chunk: raise --steps")
+    s0 = min((s for s in ends if s >= warmup), default=ends[-1])  # end of the chunk holding step `warmup` (or the last end)
+    return GLOBAL * (steps - s0) / (times[steps] - times[s0])
+
+
+def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any]:
+    import ray
+
+    import raympi
+
+    dataset, loader_workers = {
+        "raympi-tv-lw0": (inputs.augmented, 0), "raympi-tv-lw1": (inputs.augmented, 1),
+        "raympi-torch-op": (inputs.torch_op, 0), "raympi-tensors": (inputs.tensors, None),
+    }[name]
+    torch.set_num_threads(1)
+    model = compare._mnist_module().Net()
+    model.load_state_dict(torch.load(spec["init"], weights_only=True))
+    compare._ray_init(WORLD)
+    try:
+        start = time.time()
+        result = raympi.fit(
+            model, dataset, workers=WORLD, epochs=-(-spec["steps"] // (inputs.length // GLOBAL)), max_steps=spec["steps"],
+            batch_size=GLOBAL, optimizer=raympi.optim.sgd(LR), progress=False, seed=SEED, torch_threads=1,
+            loader_workers=loader_workers, checkpoint_dir=spec["dir"] + "/raympi-ckpt", checkpoint_every=0,
+        )
+    finally:
+        ray.shutdown()
+    return {"samples_per_s": _steady(result.metrics, spec["steps"], spec["warmup"]), "start_s": result.metrics[0]["time"] - start}
+
+
+def run_torchrun(spec: dict[str, Any]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(Path(__file__).resolve()), "--child", "ddp", "--spec", spec["path"]]
+    res = compare._run_subprocess(cmd, spec, compare.CHILD_TIMEOUT_S)
+    return {"samples_per_s": 1000 * GLOBAL / res["ms_per_step"], "start_s": res["launch_s"]}
+
+
+def run_raytrain(spec: dict[str, Any]) -> dict[str, Any]:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    compare._ray_init(WORLD)
+    try:
+        trainer = TorchTrainer(
+            _raytrain_loop, train_loop_config=spec,
+            scaling_config=ScalingConfig(num_workers=WORLD, use_gpu=False),
+            run_config=RunConfig(name="data", storage_path=spec["dir"] + "/raytrain-storage"),
+        )
+        start = time.time()
+        trainer.fit()
+    finally:
+        ray.shutdown()
+    res = json.loads(Path(spec["result"]).read_text())
+    return {"samples_per_s": 1000 * GLOBAL / res["ms_per_step"], "start_s": res["first_step_wall"] - start}
+
+
+# ---------------------------------------------------------------- driver
+
+def _summarize(rows: list[dict[str, Any]], contenders: list[str]) -> list[dict[str, Any]]:
+    ref = [r["samples_per_s"] for r in rows if r["contender"] == REFERENCE and r["samples_per_s"] is not None]
+    out = []
+    for c in contenders:
+        mine = [r for r in rows if r["contender"] == c]
+        sps = [r["samples_per_s"] for r in mine if r["samples_per_s"] is not None]
+        start = [r["start_s"] for r in mine if r["start_s"] is not None]
+        med = statistics.median(sps) if sps else None
+        out.append({"contender": c, "n": len(sps), "min": min(sps) if sps else None, "median": med,
+                    "max": max(sps) if sps else None, "ratio": med / statistics.median(ref) if sps and ref else None,
+                    "start": statistics.median(start) if start else None,
+                    "errors": sum(1 for r in mine if r["error"])})
+    return out
+
+
+def _table(summary: list[dict[str, Any]], args: argparse.Namespace, inputs: Inputs) -> str:
+    fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])  # noqa: E731
+    lines = [
+        f"samples/s over steps {args.warmup + 1}-{args.steps} ({args.steps - args.warmup} timed after {args.warmup} warm-up), "
+        f"{args.runs} run(s) interleaved; Fashion-MNIST {inputs.length:,}, CNN {inputs.params:,} params, {WORLD} workers, "
+        f"global batch {GLOBAL}, SGD, 1 torch thread/rank; x ref = median / median of '{REFERENCE}'",
+    ]
+    header = f"{'contender':16} | {'what':42} | {'min':>7} | {'median':>7} | {'max':>7} | {'x ref':>5} | {'start s':>7}"
+    lines += [header, "-" * len(header)]
+    for s in summary:
+        err = f" ({s['errors']} failed)" if s["errors"] else ""
+        lines.append(f"{s['contender']:16} | {LABELS[s['contender']]:42} | {fmt(s['min'], '7.0f')} | {fmt(s['median'], '7.0f')} | "
+                     f"{fmt(s['max'], '7.0f')} | {fmt(s['ratio'], '5.2f')} | {fmt(s['start'], '7.2f')}{err}")
+    med = {s["contender"]: s["median"] for s in summary if s["median"]}
+    lines += ["", "targets (medians of this run)"]
+    for mine in ("raympi-tv-lw0", "raympi-tv-lw1", "raympi-torch-op"):
+        if mine not in med:
+            continue
+        parts = []
+        if "torchrun-ddp" in med:
+            r = med[mine] / med["torchrun-ddp"]
+            parts.append(f"{r:.2f}x torchrun-DDP's throughput (target >= 1.30x: {'met' if r >= 1.3 else 'not met'})")
+        if "raytrain" in med:
+            parts.append(f"{med[mine] / med['raytrain']:.2f}x Ray Train's")
+        if "raympi-tensors" in med:
+            r = med[mine] / med["raympi-tensors"]
+            parts.append(f"{r:.2f}x the in-memory tensors (within 10 %: {'met' if r >= 0.9 else 'not met'})")
+        lines.append(f"  {mine}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=400, help="steps per run, warm-up included")
+    p.add_argument("--warmup", type=int, default=50, help="steps not timed")
+    p.add_argument("--subset", type=int, default=0, help="use only the first N training images (0: all 60,000)")
+    p.add_argument("--data-dir", default=str(ROOT / "data"), help="torchvision's data folder (Fashion-MNIST from Debian's package)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--quick", action="store_true", help="1 run, 2,048 images, 20 steps (5 warm-up)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        _child(args.child, args.spec)
+        return 0
+    if args.quick:
+        args.runs, args.steps, args.warmup, args.subset = 1, 20, 5, 2048
+    contenders = [c for c in args.contenders.split(",") if c]
+    bad = [c for c in contenders if c not in CONTENDERS]
+    if bad or args.warmup < 1 or args.steps <= args.warmup:
+        p.error(f"unknown contenders {bad}" if bad else "need 1 <= warmup < steps")
+    torch.set_num_threads(1)
+
+    tmp = Path(tempfile.mkdtemp(prefix="raympi-data-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        inputs = Inputs(tmp, args.data_dir, args.subset)
+        print(f"# {inputs.length:,} images, {inputs.params:,} parameters", file=sys.stderr)
+        for run in range(args.runs):
+            k = run % len(contenders)  # rotate who goes first, so drifts in machine speed spread out
+            for name in contenders[k:] + contenders[:k]:
+                tag = f"{run}-{name}"
+                spec = {"init": inputs.init, "data_dir": args.data_dir, "subset": args.subset, "per_worker": PER_WORKER,
+                        "lr": LR, "steps": args.steps, "warmup": args.warmup, "dir": str(tmp),
+                        "path": str(tmp / f"{tag}.json"), "result": str(tmp / f"{tag}.result.json"),
+                        "params": str(tmp / f"{tag}.params.pt")}
+                Path(spec["path"]).write_text(json.dumps(spec))
+                row: dict[str, Any] = {"run": run, "contender": name, "samples_per_s": None, "start_s": None, "error": ""}
+                began = time.time()
+                try:
+                    if name == "torchrun-ddp":
+                        res = run_torchrun(spec)
+                    elif name == "raytrain":
+                        res = run_raytrain(spec)
+                    else:
+                        res = run_raympi(name, spec, inputs)
+                    row.update(res)
+                except Exception as exc:  # recorded, reported, and the exit status says so
+                    row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                    traceback.print_exc(file=sys.stderr)
+                rows.append(row)
+                got = f"{row['samples_per_s']:.0f} samples/s" if row["samples_per_s"] is not None else row["error"]
+                print(f"# run {run} {name}: {got} ({time.time() - began:.1f} s)", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    with open(OUT / "data.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    table = _table(_summarize(rows, contenders), args, inputs)
+    (OUT / "data.txt").write_text(table + "\n")
+    print("\n" + table)
+    print(f"\nwrote {OUT / 'data.csv'} and {OUT / 'data.txt'}")
+    failed = any(r["error"] for r in rows)
+    if failed:
+        print("FAILED: a contender errored (see above)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
