@@ -33,7 +33,7 @@ Run:
     python benchmarks/data.py --runs 5 --steps 600
     python benchmarks/data.py --quick             # 1 run, a 2,048-image subset, 20 steps (5 warm-up): a smoke test
 
-Writes benchmarks/out/data.csv (every run) and benchmarks/out/data.txt (the table).
+Writes benchmarks/out/data.csv (every run) and benchmarks/out/data.txt (the table); data_quick.* with --quick.
 """
 
 from __future__ import annotations
@@ -390,14 +390,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     OUT.mkdir(parents=True, exist_ok=True)
-    with open(OUT / "data.csv", "w", newline="") as f:
+    stem = "data_quick" if args.quick else "data"  # a smoke run leaves the full run's files alone
+    with open(OUT / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     table = _table(_summarize(rows, contenders), args, inputs)
-    (OUT / "data.txt").write_text(table + "\n")
+    (OUT / f"{stem}.txt").write_text(table + "\n")
     print("\n" + table)
-    print(f"\nwrote {OUT / 'data.csv'} and {OUT / 'data.txt'}")
+    print(f"\nwrote {OUT / (stem + '.csv')} and {OUT / (stem + '.txt')}")
     failed = any(r["error"] for r in rows)
     if failed:
         print("FAILED: a contender errored (see above)")

@@ -20,7 +20,8 @@ Run:
     python benchmarks/driver_memory.py --sizes 40MB,4GB,40GB --runs 5
     python benchmarks/driver_memory.py --quick           # 4 MB and 400 MB, 1 run, no warm-up fit (tests)
 
-Writes benchmarks/out/driver_memory.csv (every fit) and benchmarks/out/driver_memory.txt (the table).
+Writes benchmarks/out/driver_memory.csv (every fit) and benchmarks/out/driver_memory.txt (the table);
+driver_memory_quick.* with --quick.
 """
 
 from __future__ import annotations
@@ -176,14 +177,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"# run {run} {name}: {got}", file=sys.stderr, flush=True)
 
     OUT.mkdir(parents=True, exist_ok=True)
-    with open(OUT / "driver_memory.csv", "w", newline="") as f:
+    stem = "driver_memory_quick" if args.quick else "driver_memory"  # a smoke run leaves the full run's files alone
+    with open(OUT / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     table = _table(rows, list(cases), args)
-    (OUT / "driver_memory.txt").write_text(table + "\n")
+    (OUT / f"{stem}.txt").write_text(table + "\n")
     print("\n" + table)
-    print(f"\nwrote {OUT / 'driver_memory.csv'} and {OUT / 'driver_memory.txt'}")
+    print(f"\nwrote {OUT / (stem + '.csv')} and {OUT / (stem + '.txt')}")
     if failed:
         print("FAILED: a fit errored (see above)")
     return 1 if failed else 0

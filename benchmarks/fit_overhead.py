@@ -69,7 +69,8 @@ def workers_only(name: str, steps: int, warmup: int, tmp: str) -> dict:
     group = WorkerGroup(cfg, WORLD, spec, None)
     try:
         sampler = data.Sampler(SEED, cfg.batch_size, len(x), WORLD)
-        shards = [[sampler.shards(s, WORLD)[r] for s in range(steps)] for r in range(WORLD)]
+        spe = sampler.steps_per_epoch
+        shards = [[(s // spe, sampler.shards(s, WORLD)[r]) for s in range(steps)] for r in range(WORLD)]
         ray.get([a.run.remote(shards[r][:warmup], cfg.batch_size) for r, a in enumerate(group.actors)])
         start = time.perf_counter()
         ray.get([a.run.remote(shards[r][warmup:], cfg.batch_size) for r, a in enumerate(group.actors)])

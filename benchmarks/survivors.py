@@ -248,15 +248,19 @@ def _late(runs: list[Any], pids: list[int], since: float, tag: str) -> str:
     return f"still in the collective {time.monotonic() - since:.0f} s after the abort; stacks: {path}"
 
 
-def _killed_by_us(pid: int, logs: Path) -> bool:
-    """Whether the process exited on ray.kill (after its group failed to form), as its core-worker log says."""
+def _core_log_says(pid: int, logs: Path, text: str) -> bool:
     for f in glob.glob(str(logs / f"python-core-worker-*_{pid}.log")):
         try:
-            if "Force kill actor request" in Path(f).read_text(errors="replace"):
+            if text in Path(f).read_text(errors="replace"):
                 return True
         except OSError:
             pass
     return False
+
+
+def _killed_by_us(pid: int, logs: Path) -> bool:
+    """Whether the process exited on ray.kill (after its group failed to form), as its core-worker log says."""
+    return _core_log_says(pid, logs, "Force kill actor request")
 
 
 def _gone(pid: int) -> bool:
@@ -322,7 +326,10 @@ def trial(chain: Chain, logs: Path, rng: random.Random) -> dict[str, Any]:
         time.sleep(1.0)  # let a dying process's logs reach the disk
         died = [p for p in survivor_pids if _gone(p) and not _killed_by_us(p, logs)]
         message = str(exc).strip().splitlines()[0][:240] if str(exc).strip() else ""
-        if died:
+        if died and all(_core_log_says(p, logs, "Worker exits by a signal") for p in died):
+            # SIGTERM/SIGINT from outside (another job's `ray stop`, say): not this trial's doing; excluded
+            record["external"] = f"{stage}: survivor pid(s) {died} stopped by a signal from another process"
+        elif died:
             record["crash"] = f"{stage}: {type(exc).__name__}"
             record["cause"] = cause_of(died[0], logs, str(exc))
         else:  # every survivor lived (form() kills the members of a group that failed to form)
@@ -375,6 +382,8 @@ def main() -> None:
                 records.append(rec)
                 if rec["crash"]:
                     print(f"  {chain.setting} trial {rec['trial']}: SURVIVOR CRASHED at {rec['crash']}: {rec['cause']}", flush=True)
+                elif rec.get("external"):
+                    print(f"  {chain.setting} trial {rec['trial']}: excluded, {rec['external']}", flush=True)
                 elif rec.get("failure"):
                     print(f"  {chain.setting} trial {rec['trial']}: survivor alive, but failed at {rec['failure']}", flush=True)
             print(f"trial {t + 1}/{args.trials} done ({time.monotonic() - started:.0f} s)", flush=True)
@@ -383,7 +392,7 @@ def main() -> None:
 
     OUT.mkdir(exist_ok=True)
     path = OUT / ("survivors_quick.csv" if args.quick else "survivors.csv")
-    fields = ["setting", "trial", "kill_after_s", "how", "crash", "cause", "failure", "setup_error", "trial_s"]
+    fields = ["setting", "trial", "kill_after_s", "how", "crash", "cause", "failure", "external", "setup_error", "trial_s"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -396,7 +405,7 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for chain in chains:
-        done = [r for r in chain.trials if "setup_error" not in r]
+        done = [r for r in chain.trials if "setup_error" not in r and "external" not in r]
         crashes = sum(1 for r in done if r["crash"])
         failures = sum(1 for r in done if r.get("failure"))
         big = f"{statistics.median(chain.big) * 1e3:.2f}" if chain.big else "-"
@@ -413,6 +422,8 @@ def main() -> None:
         print("\nfailures with every survivor alive (stage: error):")
         for setting, r in failed:
             print(f"  {setting} trial {r['trial']}: {r['failure']}")
+    for setting, r in [(c.setting, r) for c in chains for r in c.trials if "external" in r]:
+        print(f"  excluded: {setting} trial {r['trial']}: {r['external']}")
     setup = [(c.setting, r) for c in chains for r in c.trials if "setup_error" in r]
     for setting, r in setup:
         print(f"  {setting}: a group did not form ({r['setup_error']})")

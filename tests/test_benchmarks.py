@@ -74,7 +74,7 @@ def test_data_benchmark_quick():
     for name in ("raympi-tv-lw0", "raympi-tv-lw1", "raympi-torch-op", "raympi-tensors", "torchrun-ddp", "raytrain"):
         assert re.search(rf"^{name}\s+\|[^|]+\|\s+[0-9]+\s+\|\s+[0-9]+\s+\|\s+[0-9]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s*$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^  raympi-tv-lw0: [0-9.]+x torchrun-DDP's throughput", proc.stdout, re.M), proc.stdout
-    assert (ROOT / "benchmarks" / "out" / "data.csv").exists() and (ROOT / "benchmarks" / "out" / "data.txt").exists()
+    assert (ROOT / "benchmarks" / "out" / "data_quick.csv").exists() and (ROOT / "benchmarks" / "out" / "data_quick.txt").exists()
 
 
 def test_driver_memory_quick():
@@ -85,6 +85,7 @@ def test_driver_memory_quick():
         assert row, proc.stdout
         assert 0 < float(row.group(2)) < 120
     assert re.search(r"^  peak RSS growth, largest over the lazy sizes: -?[0-9.]+ MB", proc.stdout, re.M), proc.stdout
+    assert (ROOT / "benchmarks" / "out" / "driver_memory_quick.txt").exists()
 
 
 def test_survivors_quick():
