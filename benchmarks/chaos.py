@@ -64,9 +64,23 @@ def worker_processes() -> list[psutil.Process]:
 
 
 def _victim(rng: random.Random) -> psutil.Process | None:
-    """A worker that is (most likely) a rank: the youngest worker is the hot spare when there is one."""
+    """A worker that is training (it used CPU in the last 0.2 s: a hot spare waits idle)."""
     procs = worker_processes()
-    return rng.choice(procs[:-1] if len(procs) > 1 else procs) if procs else None
+    before = {}
+    for p in procs:
+        try:
+            before[p.pid] = sum(p.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    time.sleep(0.2)
+    busy = []
+    for p in procs:
+        try:
+            if p.pid in before and sum(p.cpu_times()[:2]) > before[p.pid] + 0.01:
+                busy.append(p)
+        except psutil.Error:
+            pass
+    return rng.choice(busy or procs) if procs else None
 
 
 class Chaos:

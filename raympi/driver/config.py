@@ -20,36 +20,27 @@ __all__ = ["FitConfig", "MPIConfig", "parse_config"]
 class MPIConfig(BaseModel):
     """How the MPI library talks between ranks; the same on every rank of a group.
 
-    ``netmod="auto"`` picks MPICH's OFI network module with its ``tcp`` provider,
-    on one host as across hosts.  UCX, MPICH's own default, hung on ``Connect``
-    between hosts, and on one host it does not survive a peer's death: MPICH
-    creates its UCX endpoints without peer-failure handling, so the surviving
-    rank of a SIGKILLed peer was aborted by UCX's CMA transport
-    (``cma_ep.c: process_vm_readv(...) returned -1: No such process``) in 15 of
-    30 kill trials, and without CMA it still crashed (SIGSEGV) or hung when
-    re-forming.  OFI/tcp survived 30 of 30 (benchmarks/survivors.py, and the
-    "Survivors" section of benchmarks/README.md); it costs about 1.8x UCX's time
-    on a 23 MB allreduce on one host.  ``netmod="ucx"`` still selects UCX (faster
-    on one host; a failure may then take the cold path).  ``interface`` names the
+    ``netmod="auto"`` picks MPICH's OFI network module with its ``tcp`` provider
+    when the group may span hosts (UCX, MPICH's own default, hung on ``Connect``
+    between hosts) and UCX when every rank is sure to share one host (about 3x
+    faster there).  "May span" counts the ranks' nodes and every live node that
+    could host a replacement later, because replacements inherit the group's
+    choice (see :func:`raympi.driver.group.spans_hosts`).  An autoscaling cluster that
+    starts with one node should set ``netmod="ofi"``.  ``interface`` names the
     NIC (``FI_TCP_IFACE`` of libfabric's tcp provider, ``UCX_NET_DEVICES`` for
-    UCX); ``env`` adds any other ``MPIR_CVAR_*`` / ``FI_*`` / ``UCX_*`` variable
-    and wins over the values set here.
+    UCX); ``env`` adds any other ``MPIR_CVAR_*`` / ``FI_*`` / ``UCX_*`` variable.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    netmod: Literal["auto", "ofi", "ucx"] = Field("auto", description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ofi (with provider tcp) on one host and across hosts, the one a survivor outlives its peer's death with")
+    netmod: Literal["auto", "ofi", "ucx"] = Field("auto", description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx when the cluster is one host, ofi when ranks may span hosts")
     provider: Optional[str] = Field("tcp", description="libfabric provider with netmod='ofi' (FI_PROVIDER)")
     interface: Optional[str] = Field(None, description="network interface MPI should use, e.g. 'eth0' (FI_TCP_IFACE / UCX_NET_DEVICES)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the MPI library")
 
     def environment(self, multi_host: bool) -> dict[str, str]:
-        """The environment variables every rank of a group starts with.
-
-        ``multi_host`` (whether the group may span hosts) no longer changes the choice of ``"auto"``:
-        OFI/tcp is the default on one host too, since under UCX a rank could die with its peer.
-        """
-        netmod = self.netmod if self.netmod != "auto" else "ofi"
+        """The environment variables every rank of a group starts with."""
+        netmod = self.netmod if self.netmod != "auto" else ("ofi" if multi_host else "ucx")
         env = {"MPIR_CVAR_CH4_NETMOD": netmod}
         if netmod == "ofi" and self.provider:
             env["FI_PROVIDER"] = self.provider
