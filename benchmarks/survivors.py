@@ -20,21 +20,30 @@ One trial, per setting (2 ranks by default, ``--ranks 3`` for 3; one MPI communi
      small tensor correctly with it.  Any MPI progress after the death (forming included) can still
      advance the abandoned transfer, so the re-formation is part of the check.
 The replacement is the next trial's victim, so each survivor lives through every trial of its
-setting, as it would through repeated failures of a long run.  A survivor that dies is counted as a
-crash, its Ray worker logs (``worker-*-<pid>.err`` / ``.out``, ``python-core-worker-*_<pid>.log``)
-are grepped for the cause, and the next trial starts from fresh actors.
+setting, as it would through repeated failures of a long run.  Outcomes:
+
+  survivor crash   a survivor process died by itself; its Ray worker logs (``worker-*-<pid>.err`` /
+                   ``.out``, ``python-core-worker-*_<pid>.log``) and Ray's error are grepped for the
+                   cause, and the next trial starts from fresh actors;
+  other failure    every survivor lived, but did not leave the abandoned collective within 5 s (its
+                   stacks are dumped with py-spy to benchmarks/out/survivors_stuck_*.txt), or the
+                   re-formation hung past 45 s: either way a warm restart would not have happened;
+  excluded         a survivor stopped by SIGTERM/SIGINT from another process (another job's
+                   ``ray stop`` on a shared machine): shown, not counted.
 
 Settings run interleaved (trial 1 of every setting, then trial 2, ...) in one Ray instance, each
 setting's actors with their own environment, so the per-step costs (median ms of one allreduce_ of
 23.3 MB and of 4 KB, over the survivors' loops of all trials) share the machine's load.
 
-    python benchmarks/survivors.py                         # 30 trials of every setting (~15-20 min on 2 cores)
-    python benchmarks/survivors.py --settings default --trials 30
+    python benchmarks/survivors.py                         # 30 trials of 5 settings (~15-25 min on 2 cores)
+    python benchmarks/survivors.py --settings "default,ucx (before)" --trials 30
+    python benchmarks/survivors.py --ranks 3 --settings "default,default +eagain"
     python benchmarks/survivors.py --quick                 # 2 trials, raympi's default only (tests)
 
 ``default`` is whatever ``raympi.MPIConfig().environment(multi_host=False)`` gives now; the
-others are fixed environments (``--list`` prints them).  benchmarks/out/survivors.csv has every
-trial (survivors_quick.csv with --quick).
+others are fixed environments (``--list`` prints them); a name may end with experiment options
+(``+preconnect``, ``+eagain``: see OPTIONS).  benchmarks/out/survivors.csv has every trial
+(survivors_quick.csv with --quick), rewritten after every round.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ SMALL_PER_BIG = 4
 KILL_AFTER_S = (0.2, 1.2)
 ABORT_DELAY_S = 0.5
 ANSWER_S = 5.0
+LATE_WAIT_S = 120.0  # how long a survivor late to leave its abandoned collective is waited for (to tell slow from stuck)
 REFORM_TIMEOUT_S = 45.0  # re-forming takes well under a second (a few under heavy load): longer is a hang
 
 # name -> environment of every rank (on top of OMP_NUM_THREADS=1).  "default" is computed at run time.
@@ -242,9 +252,10 @@ def _late(runs: list[Any], pids: list[int], since: float, tag: str) -> str:
     OUT.mkdir(exist_ok=True)
     path = OUT / f"survivors_stuck_{re.sub(r'[^A-Za-z0-9]+', '_', tag)}.txt"
     path.write_text("\n".join(dumps))
-    ready, _ = ray.wait(runs, num_returns=len(runs), timeout=30.0)
-    if len(ready) == len(runs):
-        return f"returned {time.monotonic() - since:.1f} s after the abort; stacks at {ANSWER_S:.0f} s: {path}"
+    while time.monotonic() - since < LATE_WAIT_S:
+        ready, _ = ray.wait(runs, num_returns=len(runs), timeout=0.5)
+        if len(ready) == len(runs):
+            return f"returned {time.monotonic() - since:.1f} s after the abort; stacks at {ANSWER_S:.0f} s: {path}"
     return f"still in the collective {time.monotonic() - since:.0f} s after the abort; stacks: {path}"
 
 
@@ -340,6 +351,15 @@ def trial(chain: Chain, logs: Path, rng: random.Random) -> dict[str, Any]:
     return record
 
 
+def write_csv(path: Path, chains: list[Chain]) -> None:
+    fields = ["setting", "trial", "kill_after_s", "how", "crash", "cause", "failure", "external", "setup_error", "trial_s"]
+    OUT.mkdir(exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(r for c in chains for r in c.trials)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=30)
@@ -367,7 +387,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())
     chains = [Chain(s, args.ranks) for s in settings]
-    records: list[dict[str, Any]] = []
+    path = OUT / ("survivors_quick.csv" if args.quick else "survivors.csv")
     started = time.monotonic()
     try:
         for t in range(args.trials):
@@ -379,24 +399,16 @@ def main() -> None:
                     chain.trials.append(rec)  # counted, shown, and retried (a group that never formed saw no kill)
                     print(f"  {chain.setting}: could not form a group ({rec['setup_error']}); retrying", flush=True)
                 chain.trials.append(rec)
-                records.append(rec)
                 if rec["crash"]:
                     print(f"  {chain.setting} trial {rec['trial']}: SURVIVOR CRASHED at {rec['crash']}: {rec['cause']}", flush=True)
                 elif rec.get("external"):
                     print(f"  {chain.setting} trial {rec['trial']}: excluded, {rec['external']}", flush=True)
                 elif rec.get("failure"):
                     print(f"  {chain.setting} trial {rec['trial']}: survivor alive, but failed at {rec['failure']}", flush=True)
+            write_csv(path, chains)  # after every round: a run stopped from outside keeps what it measured
             print(f"trial {t + 1}/{args.trials} done ({time.monotonic() - started:.0f} s)", flush=True)
     finally:
         ray.shutdown()
-
-    OUT.mkdir(exist_ok=True)
-    path = OUT / ("survivors_quick.csv" if args.quick else "survivors.csv")
-    fields = ["setting", "trial", "kill_after_s", "how", "crash", "cause", "failure", "external", "setup_error", "trial_s"]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(r for c in chains for r in c.trials)
 
     print(f"\n{args.ranks} ranks, one host; the last rank SIGKILLed at a random moment of an allreduce_ loop, "
           f"survivors aborted {ABORT_DELAY_S} s after its death, then re-formed with a fresh rank")
