@@ -1,11 +1,8 @@
 """Checkpoints: rank 0's state, written by the driver, never half-written.
 
-A checkpoint is a folder ``step-00000040/`` holding ``state.pt`` (a plain dict of
-tensors, loadable with ``torch.load(weights_only=True)``) and ``manifest.json``
-(step, epoch, data cursor, world size, metrics, config and the SHA-256 of
-``state.pt``).  It is written under a temporary name, flushed, fsynced and then
-renamed, so a reader sees a whole checkpoint or none.  ``checkpoint_dir`` may be
-a local path or an fsspec URI (``s3://...``, ``gs://...``, ``memory://...``).
+A checkpoint is a folder ``step-00000040/``: ``state.pt`` (plain tensors, ``torch.load(weights_only=True)``)
+and ``manifest.json`` (step, cursor, world size, metrics, config, SHA-256 of ``state.pt``), written under a
+temporary name, fsynced, then renamed.  ``checkpoint_dir`` may be a local path or an fsspec URI.
 
 A kill at any moment leaves no ``step-*`` folder that loads wrong, at most a hidden ``.step-*.tmp-PID``
 (being written) or ``.step-*.old-PID`` (being deleted), removed by the next write once PID is gone.
