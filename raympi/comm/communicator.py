@@ -1,30 +1,33 @@
-"""Layer 2: collectives on torch tensors over one MPI communicator of Ray actors.
+"""Layer 2: collectives over one MPI communicator of Ray actors, on numpy buffers and torch tensors.
 
 A :class:`Communicator` wraps the intracommunicator that :func:`raympi.comm.form` leaves in each
 member (``self.comm``): a bucketed in-place ``allreduce_`` of any tree of tensors (optionally sent
-as 16-bit floats), ``broadcast`` of a state tree, and ``barrier``.  Every collective polls its
-request, so another thread can abandon it (:attr:`Communicator.abort`) when a peer failed.
-Forming the group is :mod:`raympi.comm.formation`'s job.
+as 16-bit floats), ``allreduce_array_`` of a numpy array, ``broadcast`` of a state tree or of plain
+objects, and ``barrier``.  Every reduction polls its request, so another thread can abandon it
+(:attr:`Communicator.abort`) when a peer failed.  Forming the group is
+:mod:`raympi.comm.formation`'s job.
+
+torch is imported only on the tensor paths (:mod:`raympi.comm.tensors`): a "light" member, a
+process without torch, can form a group, reduce arrays, broadcast plain objects and wait at barriers.
 
 Example (inside a member actor, after formation)::
 
     self.comm.allreduce_([grad_a, grad_b])     # in-place sum over ranks
+    self.comm.allreduce_array_(np.ones(4))     # the same on a numpy array, no torch needed
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
+import sys
 import threading
 import time
-import warnings
 from typing import Any
 
-import torch
+import numpy as np
 
 from raympi.comm import library
-from raympi.core import pytree
 from raympi.exceptions import CollectiveAborted, ConfigError
 
 __all__ = ["Communicator", "DEFAULT_BUCKET_BYTES"]
@@ -37,21 +40,18 @@ INPLACE_MIN_BYTES = 256 * 2**10
 # How long a rank polls a collective flat out before it starts sleeping between polls.
 SPIN_S = 0.02
 
-# MPI has no 16-bit float types: such tensors are summed in float32 (exact
-# accumulation, one rounding back) at twice the bytes on the wire.
-_REDUCE_AS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 # (request, buffer) of every collective abandoned in this process: MPI may still write into the buffer.
 _ABANDONED: list[tuple[Any, Any]] = []
-# Optional compression: float32 gradients travel as 16-bit floats and are summed by a user-defined op.
-_WIRE = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
+# Optional compression of float32 tensors to 16-bit floats on the wire (see raympi.comm.tensors.WIRE).
+_COMPRESSIONS = ("bf16", "fp16")
 
 
 class Communicator:
-    """Collectives on torch tensors over one MPI intracommunicator.
+    """Collectives on numpy buffers and torch tensors over one MPI intracommunicator.
 
     Building one is collective (every rank of ``comm`` must do it): the ranks tell each other their
-    hosts, to know whether more ranks than CPUs share this one.
+    hosts, to know whether more ranks than CPUs share this one.  It needs no torch unless
+    ``compression`` is set.
 
     Args:
         comm: an ``mpi4py.MPI.Intracomm`` this object now owns.
@@ -62,8 +62,8 @@ class Communicator:
     def __init__(self, comm: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression: str | None = None) -> None:
         if bucket_bytes < 8:
             raise ConfigError(f"bucket_bytes must be at least 8, got {bucket_bytes}")
-        if compression not in _WIRE:
-            raise ConfigError(f"compression must be one of {sorted(k for k in _WIRE if k)} or None, got {compression!r}")
+        if compression is not None and compression not in _COMPRESSIONS:
+            raise ConfigError(f"compression must be one of {sorted(_COMPRESSIONS)} or None, got {compression!r}")
         self.mpi = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
@@ -71,7 +71,11 @@ class Communicator:
         self.compression = compression
         self.abort = threading.Event()  # set from another thread to abandon the collective in flight
         self._MPI = library.require()
-        self._wire_op = self._MPI.Op.Create(_sum_16bit(_WIRE[compression]), commute=True) if compression else None
+        self._wire_op = None
+        if compression:
+            from raympi.comm import tensors
+
+            self._wire_op = self._MPI.Op.Create(tensors.sum_16bit(compression), commute=True)
         # More ranks on this host than CPUs for them: waiting ranks must give their core away.
         hosts = comm.allgather(socket.gethostname())
         self.oversubscribed = hosts.count(socket.gethostname()) > len(os.sched_getaffinity(0))
@@ -88,46 +92,52 @@ class Communicator:
         Returns:
             ``tensors`` itself, now holding the sums.
         """
-        packed: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in pytree.tensor_leaves(tensors):
-            wire = _REDUCE_AS.get(t.dtype, t.dtype)
-            if wire not in _REDUCIBLE:
-                raise TypeError(f"allreduce cannot sum tensors of dtype {t.dtype}")
-            if self.compression and t.dtype == torch.float32:
-                wire = _WIRE[self.compression]
-            if t.dtype == wire and t.is_contiguous() and not t.is_cuda and t.numel() * t.element_size() >= INPLACE_MIN_BYTES:
-                self._reduce_flat(t.detach().view(-1))
-            else:
-                packed.setdefault(wire, []).append(t)
-        for wire, group in packed.items():
-            flat = torch.empty(sum(t.numel() for t in group), dtype=wire, device=group[0].device)
-            offset = 0
-            for t in group:  # one copy in, casting to the wire dtype on the way
-                flat[offset : offset + t.numel()].view(t.shape).copy_(t.detach())
-                offset += t.numel()
-            host = _to_host(flat)
-            self._reduce_flat(host)
-            flat = _from_host(host, flat)
-            offset = 0
-            for t in group:
-                t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
-        return tensors
+        from raympi.comm import tensors as _tensors  # torch: only on this path
 
-    def _reduce_flat(self, flat: torch.Tensor) -> None:
+        return _tensors.allreduce_tree_(self._reduce_flat, tensors, self.compression)
+
+    def allreduce_array_(self, array: Any) -> Any:
+        """Sum a numpy array (or a writable buffer such as a ``bytearray``) over all ranks, in place; no torch needed.
+
+        The array must be C-contiguous and writable, of an integer, float32/64 or complex dtype.  Each
+        ``bucket_bytes`` slice is one ``MPI_Allreduce`` that :attr:`abort` can abandon, as in
+        :meth:`allreduce_` (``compression`` does not apply here).
+
+        Returns:
+            ``array`` itself, now holding the sums.
+
+        Example:
+            >>> self.comm.allreduce_array_(np.full(4, float(self.comm.rank)))  # doctest: +SKIP
+            array([6., 6., 6., 6.])  # over 4 ranks
+        """
+        flat = array if isinstance(array, np.ndarray) else np.asarray(memoryview(array))  # a view, never a copy
+        if not (flat.flags.c_contiguous and flat.flags.writeable):
+            raise TypeError("allreduce_array_ needs a C-contiguous, writable array (np.ascontiguousarray makes one)")
+        if flat.dtype.kind not in "iufc" or flat.dtype == np.float16:
+            raise TypeError(f"allreduce_array_ cannot sum arrays of dtype {flat.dtype} (cast 16-bit floats to float32)")
+        self._reduce_array(flat.reshape(-1))
+        return array
+
+    def _reduce_flat(self, flat: Any) -> None:
         """Sum a flat CPU tensor over all ranks in place, one MPI call per bucket.
 
         A 16-bit float tensor (only under ``compression``) travels as 16-bit integers and is summed by
         the user-defined op (each pairwise sum rounds to 16 bits; the caller writes it back as float32).
         """
-        step = max(1, self.bucket_bytes // flat.element_size())
-        if flat.dtype in (torch.bfloat16, torch.float16):
-            array = flat.view(torch.int16).numpy()
+        from raympi.comm import tensors as _tensors
+
+        array = _tensors.as_16bit_ints(flat)
+        if array is not None:
+            step = max(1, self.bucket_bytes // array.itemsize)
             for start in range(0, array.size, step):
                 part = array[start : start + step]
                 self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, [part, self._MPI.INT16_T], op=self._wire_op), part)
             return
-        array = flat.numpy()
+        self._reduce_array(flat.numpy())
+
+    def _reduce_array(self, array: np.ndarray) -> None:
+        """Sum a flat numpy array over all ranks in place, one MPI call per ``bucket_bytes``."""
+        step = max(1, self.bucket_bytes // array.itemsize)
         for start in range(0, array.size, step):
             self._allreduce_buffer(array[start : start + step])
 
@@ -171,34 +181,32 @@ class Communicator:
         """Send ``tree`` (any tree of tensors and picklable leaves) from ``root`` to every rank.
 
         Other ranks may pass ``None``; they receive a new tree of CPU tensors.
-        The structure travels pickled; the tensor bytes travel as one ``MPI_Bcast``.
+        The structure travels pickled; the tensor bytes travel as one ``MPI_Bcast``.  A root
+        without torch (a light member) holds no tensors: its tree travels pickled, whole.
 
         Returns:
             The root's tree on every rank (the root gets its own object back).
         """
         if self.rank == root:
-            leaves, spec = pytree.flatten(tree)
-            layout = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("obj", x) for x in leaves]
-            tensors = [x.detach().contiguous().cpu() for x in leaves if isinstance(x, torch.Tensor)]
-            payload = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
-            self.mpi.bcast((spec, layout, payload.numel()), root=root)
+            if "torch" not in sys.modules:  # no tensor can exist in this process
+                self.mpi.bcast((None, tree), root=root)
+                return tree
+            from raympi.comm import tensors as _tensors
+
+            header, payload = _tensors.pack_tree(tree)
+            self.mpi.bcast((header, None), root=root)
         else:
-            spec, layout, nbytes = self.mpi.bcast(None, root=root)
-            payload = torch.empty(nbytes, dtype=torch.uint8)
+            header, plain = self.mpi.bcast(None, root=root)
+            if header is None:
+                return plain
+            from raympi.comm import tensors as _tensors
+
+            payload = _tensors.empty_payload(header[2])
         if payload.numel():
             self.mpi.Bcast(payload.numpy(), root=root)
         if self.rank == root:
             return tree
-        leaves, offset = [], 0
-        for kind, value in layout:
-            if kind == "obj":
-                leaves.append(value)
-                continue
-            shape, dtype = kind, value
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            leaves.append(payload[offset : offset + nbytes].clone().view(dtype).view(shape))  # clone: aligned storage
-            offset += nbytes
-        return pytree.unflatten(leaves, spec)
+        return _tensors.unpack_tree(header[0], header[1], payload)
 
     def barrier(self) -> None:
         """Block until every rank has called it."""
@@ -212,27 +220,3 @@ class Communicator:
         if self._wire_op is not None:
             self._wire_op.Free()
             self._wire_op = None
-
-
-def _sum_16bit(dtype: torch.dtype) -> Any:
-    """An MPI reduction function summing buffers of 16-bit floats of ``dtype`` (MPI has no such type)."""
-    def op(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        with warnings.catch_warnings():  # MPI may hand a read-only input buffer; it is only read
-            warnings.simplefilter("ignore", UserWarning)
-            torch.frombuffer(inoutbuf, dtype=dtype).add_(torch.frombuffer(inbuf, dtype=dtype))
-    return op
-
-
-def _to_host(flat: torch.Tensor) -> torch.Tensor:
-    # The PyPI MPICH is not CUDA-aware: GPU buffers are staged through pinned host memory.
-    if flat.is_cuda:
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat)
-        return host
-    return flat
-
-
-def _from_host(host: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    if flat.is_cuda:
-        flat.copy_(host, non_blocking=False)
-    return flat
