@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from raympi.core import accumulate as _accumulate, precision as _precision
+from raympi.core import accumulate as _accumulate, overlap as _overlap, precision as _precision
 from raympi.core.batch import Batch, _split_batch
 from raympi.core.evaluate import make_eval_step
 from raympi.core.metrics import RESERVED, MetricFn, Metrics, _check_names, _read, _row
@@ -79,6 +79,7 @@ def make_train_step(
     loss_scaling: Optional[LossScaling] = None,
     accumulate: int = 1,
     metrics: Optional[dict[str, MetricFn]] = None,
+    overlap: bool = False,
 ) -> Callable[..., tuple[TrainState, Metrics]]:
     """Build ``train_step(state, batch, global_batch_size=None) -> (new_state, metrics)``.
 
@@ -155,6 +156,9 @@ def make_train_step(
             over the samples it is given; reported as the global-batch mean.
             ``"accuracy"`` replaces the automatic one; the step's own keys
             are reserved.
+        overlap: sum the gradients over the ranks while backward runs (DDP's buckets, see
+            :mod:`~raympi.core.overlap`; with ``accumulate`` the last micro-batch's backward).
+            ``grad_sync`` must then be a :class:`~raympi.core.overlap.BucketSync` (``None``: no effect).
 
     Returns:
         ``train_step``, a pure function of ``(state, batch, global_batch_size)``
@@ -181,11 +185,17 @@ def make_train_step(
     trainable = set(_trainable(model))
     # Only real buffers can be written by the forward pass (frozen params cannot).
     mutable = {n for n, _ in model.named_buffers()}
+    overlapped = overlap and grad_sync is not None
+    if overlapped and not isinstance(grad_sync, _overlap.BucketSync):
+        raise ConfigError("overlap=True needs a grad_sync with bucket_bytes, start, finish and abandon "
+                          "(raympi.core.overlap.BucketSync, e.g. raympi.comm.buckets.BucketAllreduce)")
 
-    def grad_fn(params, buffers, micro, factor, device_type):
+    def grad_fn(params, buffers, micro, factor, device_type, watch=None):
         """``(gradients, stats row, classify)`` of one micro-batch; ``params`` is not touched."""
         args, kwargs, targets, n = micro
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        if watch is not None:
+            watch(leaves)
         with torch.enable_grad():
             with _precision._autocast(precision, device_type):
                 outputs = functional_call(model, (leaves, buffers), args, kwargs)
@@ -228,8 +238,15 @@ def make_train_step(
             with torch.random.fork_rng(devices=cuda):
                 _seed_generators(_step_seed(seed, step, rank), cuda)
                 grads = stats = None
-                for micro in _accumulate._micro_batches(args, kwargs, targets, n, accumulate):
-                    g, row, classify = grad_fn(state.params, buffers, micro, micro[3] / global_n * scale, device.type)
+                micros = _accumulate._micro_batches(args, kwargs, targets, n, accumulate)
+                for i, micro in enumerate(micros):
+                    factor = micro[3] / global_n * scale
+                    if overlapped and i == len(micros) - 1:  # the last backward sums its buckets as it goes
+                        with _overlap.Buckets(state.params, grad_sync, grads, bool(scaler)) as buckets:
+                            g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type, buckets.watch)
+                            grads, stats = buckets.finish(g, row if stats is None else stats + row)
+                        break
+                    g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type)
                     if grads is None:
                         grads, stats = g, row
                     else:
@@ -239,13 +256,15 @@ def make_train_step(
         finally:
             model.train(was_training)
 
-        if scaler:  # every rank learns whether any rank overflowed: the flags add up
-            stats = torch.cat([stats, _precision._nonfinite(list(grads.values())).to(stats.device)])
-        tree = {"grads": grads, "stats": stats}
-        if grad_sync is not None:
-            synced = grad_sync(tree)
-            tree = tree if synced is None else synced
-        grads, readout = tree["grads"], tree["stats"]
+        if not overlapped:  # (overlapped, the buckets have summed both already)
+            if scaler:  # every rank learns whether any rank overflowed: the flags add up
+                stats = torch.cat([stats, _precision._nonfinite(list(grads.values())).to(stats.device)])
+            tree = {"grads": grads, "stats": stats}
+            if grad_sync is not None:
+                synced = grad_sync(tree)
+                tree = tree if synced is None else synced
+            grads, stats = tree["grads"], tree["stats"]
+        readout = stats
         if scaler:  # unscale the sum, as GradScaler after DDP's allreduce, and check it too
             found = _precision._unscale_(list(grads.values()), scale)
             readout = torch.cat([readout, found.to(readout.device, torch.float64)])
