@@ -240,3 +240,21 @@ def test_abort_gets_a_rank_out_of_an_overlapped_step(ray_session, ranks, thread)
     comm.form(peers, timeout_s=60)
     out = ray_session.get([p.aborted_step.remote(thread, 3.0) for p in peers], timeout=60)
     assert out[0].startswith("aborted: rank 0: collective abandoned"), out
+
+
+# --------------------------------------------------------------------------- through fit
+
+
+def test_fit_option_overlap(ray_session, tmp_path):
+    """fit(overlap=True) on the workers ends where overlap=False does; with compression it is refused."""
+    import raympi
+
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(96, 1, 8, 8, generator=g), torch.randint(0, 5, (96,), generator=g))
+    opts = dict(workers=2, batch_size=24, epochs=1, progress=False, optimizer=optim.sgd(0.05, momentum=0.9), accumulate=2)
+    results = {o: raympi.fit(mlp(), data, overlap=o, checkpoint_dir=str(tmp_path / str(o)), **opts) for o in (False, True)}
+    for k, v in results[False].state.params.items():
+        torch.testing.assert_close(results[True].state.params[k], v, rtol=1e-6, atol=1e-6)
+    assert [m["loss"] for m in results[True].metrics] == pytest.approx([m["loss"] for m in results[False].metrics], rel=1e-6)
+    with pytest.raises(ConfigError, match="overlap=True does not combine with compression='bf16'"):
+        raympi.fit(mlp(), data, overlap=True, compression="bf16", **opts)

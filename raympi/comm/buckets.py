@@ -118,7 +118,11 @@ class BucketAllreduce:
                 _communicator._ABANDONED.append((b.request, (b.host, b.tensor)))
                 self._pinned.pop(i, None)
         self._pending, self._issued = [], 0
-        if self._worker is not None:  # it issues nothing more; a fresh thread serves the next step
+        self.close()  # the thread issues nothing more; a fresh one serves the next step
+
+    def close(self) -> None:
+        """Let the reduction thread end (when this communicator is done with, or after an abandon)."""
+        if self._worker is not None:
             self._cancel.set()
             self._queue.put(None)
             self._worker = None

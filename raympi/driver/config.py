@@ -82,6 +82,7 @@ class FitConfig(BaseModel):
     step_timeout_s: float = Field(10.0, gt=0, description="the longest a rank may go without finishing a chunk of steps (about 0.5 s of work): a hung rank is noticed after this")
     bucket_bytes: int = Field(16 * 2**20, ge=1024, description="bytes per MPI_Allreduce bucket")
     compression: Optional[Literal["bf16", "fp16"]] = Field(None, description="send float32 gradients as 16-bit floats (half the bytes; the optimizer stays float32); see the README's performance notes")
+    overlap: Optional[bool] = Field(None, description="sum gradient buckets over the ranks while backward still runs, as DDP does; default: on with GPUs, off on CPUs, where it did not pay (benchmarks/README.md); not with compression")
     loader_workers: Optional[int] = Field(None, ge=0, description="processes per worker reading a map-style Dataset ahead of the step (0: in the step's thread); default: the worker's CPUs minus one, at most 4")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch threads per worker; default the worker's CPUs")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="mixed precision: forward and loss under autocast, float32 master weights; fp16 adds dynamic loss scaling")
@@ -107,6 +108,8 @@ class FitConfig(BaseModel):
             object.__setattr__(self, "min_workers", self.workers)
         if self.min_workers > self.workers:
             raise ValueError(f"min_workers={self.min_workers} is larger than workers={self.workers}")
+        if self.overlap and self.compression:
+            raise ValueError(f"overlap=True does not combine with compression={self.compression!r}: set overlap=False or compression=None")
         if self.batch_size < self.workers:
             raise ValueError(f"batch_size={self.batch_size} is smaller than workers={self.workers}: every worker needs at least one sample per step")
         return self

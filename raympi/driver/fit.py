@@ -121,7 +121,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             train=data.ship(train) if train else None, train_kind=train.kind if train else "stream",
             eval=data.ship(eval_data) if eval_data else None, eval_kind=eval_data.kind if eval_data else "arrays",
             device="cuda" if use_gpu else "cpu", seed=cfg.seed, loader_workers=_loader_workers(cfg),
-            step_options=_step_options(cfg),
+            step_options={**_step_options(cfg), "overlap": _overlaps(cfg, use_gpu)},
             torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
         )
         spe = sampler.steps_per_epoch
@@ -147,6 +147,11 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
 def _step_options(cfg: FitConfig) -> dict[str, Any]:
     """The options of :func:`~raympi.core.step.make_train_step` that ``fit`` passes through."""
     return {"on_nonfinite": cfg.on_nonfinite, "precision": cfg.precision, "accumulate": cfg.accumulate, "metrics": dict(cfg.metrics)}
+
+
+def _overlaps(cfg: FitConfig, use_gpu: bool) -> bool:
+    """``overlap`` as set; by default on with GPUs (the host idles while they compute), off on CPUs (it did not pay)."""
+    return cfg.overlap if cfg.overlap is not None else bool(use_gpu) and cfg.compression is None
 
 
 def _loader_workers(cfg: FitConfig) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from raympi import comm
 from raympi.comm import library
+from raympi.comm.buckets import BucketAllreduce
 from raympi.core import optim, pytree
 from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
@@ -133,8 +134,14 @@ class Worker(comm.Member):
 
     def _build_steps(self) -> None:
         self.comm.mpi.Set_errhandler(library.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
+        options = dict(self.step_options)
+        overlap = bool(options.pop("overlap", False))  # gradient buckets summed while backward runs
+        if getattr(self, "bucket_sync", None) is not None:
+            self.bucket_sync.close()  # the previous communicator's reduction thread
+        self.bucket_sync = BucketAllreduce(self.comm) if overlap else None
         self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer,
-                                          grad_sync=self.comm.allreduce_, rank=self.rank, donate=True, **self.step_options)
+                                          grad_sync=self.bucket_sync or self.comm.allreduce_, rank=self.rank,
+                                          donate=True, overlap=overlap, **options)
         fns = {"loss": self.loss_fn, "accuracy": accuracy, **(self.step_options.get("metrics") or {})}
         self.eval_step = make_eval_step(self.model, fns)
         self.eval_step_names = [*fns, "samples"]
