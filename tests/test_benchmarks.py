@@ -94,3 +94,13 @@ def test_survivors_quick():
     assert re.search(r"^setting\s+\|\s+trials\s+\|\s+survivor crashes\s+\|\s+other failures\s+\|\s+23.3 MB ms\s+\|\s+4 KB ms", proc.stdout, re.M), proc.stdout
     # two trials under the default transport, each a survivor crash or not (UCX's CMA may take one down)
     assert re.search(r"^default\s+\|\s+2\s+\|\s+\d+\s+\|\s+\d+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|", proc.stdout, re.M), proc.stdout
+
+
+def test_scale_quick():
+    """benchmarks/scale.py --quick: light members form and reduce; the driver's CPU per chunk with instant workers."""
+    proc = _quick("scale.py", 180)
+    for n in (2, 4):
+        assert re.search(rf"^\s+{n} \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^  alpha-beta at N=2 \(not oversubscribed\): latency \(8 B allreduce\) [0-9.]+ us", proc.stdout, re.M), proc.stdout
+    for k in (1, 4):
+        assert re.search(rf"^\s+4 \|\s+{k} \|\s+\d+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+\d+% \|\s+\d+%", proc.stdout, re.M), proc.stdout
