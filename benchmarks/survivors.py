@@ -58,6 +58,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -239,19 +240,26 @@ def cause_of(pid: int, logs: Path, error: str = "") -> str:
     return f"no cause found in {len(files)} log file(s) of pid {pid}"
 
 
-def _late(runs: list[Any], pids: list[int], since: float, tag: str) -> str:
-    """A survivor that did not leave its abandoned collective in time: its stacks (py-spy), then slow or stuck?"""
+def _stacks(pids: list[int], tag: str) -> Path:
+    """Native and Python stacks of ``pids`` (py-spy), written to benchmarks/out/survivors_stuck_<tag>.txt."""
     dumps = []
     spy = Path(sys.executable).with_name("py-spy")
     for pid in pids:
         try:
             out = subprocess.run([str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
-            dumps.append(f"== pid {pid}, {time.monotonic() - since:.1f} s after the abort\n{out.stdout}{out.stderr}")
+            dumps.append(f"== pid {pid}\n{out.stdout}{out.stderr}")
         except (OSError, subprocess.SubprocessError) as exc:
             dumps.append(f"== pid {pid}: no py-spy dump ({exc})")
     OUT.mkdir(exist_ok=True)
     path = OUT / f"survivors_stuck_{re.sub(r'[^A-Za-z0-9]+', '_', tag)}.txt"
     path.write_text("\n".join(dumps))
+    print(f"  stacks of a stuck stage: {path}", flush=True)
+    return path
+
+
+def _late(runs: list[Any], pids: list[int], since: float, tag: str) -> str:
+    """A survivor that did not leave its abandoned collective in time: its stacks (py-spy), then slow or stuck?"""
+    path = _stacks(pids, tag)
     while time.monotonic() - since < LATE_WAIT_S:
         ready, _ = ray.wait(runs, num_returns=len(runs), timeout=0.5)
         if len(ready) == len(runs):
@@ -324,10 +332,16 @@ def trial(chain: Chain, logs: Path, rng: random.Random) -> dict[str, Any]:
         if any(_gone(p) for p in survivor_pids):
             raise RuntimeError("a survivor process is gone")
         stage = "re-forming"
-        ray.get(replacement.pid.remote(), timeout=180)
+        fresh_pid = ray.get(replacement.pid.remote(), timeout=180)
         ray.kill(victim, no_restart=True)
         chain.members = [*survivors, replacement]
-        comm.form(chain.members, timeout_s=REFORM_TIMEOUT_S)
+        # A hang is killed by form() at its deadline: take the members' stacks shortly before.
+        spy = threading.Timer(REFORM_TIMEOUT_S - 10, _stacks, ([*survivor_pids, fresh_pid], f"reform-{chain.setting}-{record['trial']}"))
+        spy.start()
+        try:
+            comm.form(chain.members, timeout_s=REFORM_TIMEOUT_S)
+        finally:
+            spy.cancel()
         stage = "first allreduce after re-forming"
         chain.pids = ray.get([a.pid.remote() for a in chain.members], timeout=30)
         sums = ray.get([a.check.remote(chain.options) for a in chain.members], timeout=30)

@@ -30,7 +30,7 @@ def test_defaults_and_frozen():
 
 
 def test_mpi_environment():
-    assert MPIConfig().environment(multi_host=False) == {"MPIR_CVAR_CH4_NETMOD": "ucx"}
+    assert MPIConfig().environment(multi_host=False) == {"MPIR_CVAR_CH4_NETMOD": "ucx", "UCX_RNDV_SCHEME": "am"}
     assert MPIConfig().environment(multi_host=True) == {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
     env = MPIConfig(netmod="ofi", interface="eth1", env={"FI_LOG_LEVEL": "warn"}).environment(multi_host=False)
     assert env == {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth1", "FI_LOG_LEVEL": "warn"}

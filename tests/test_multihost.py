@@ -138,7 +138,8 @@ def _train_through(hosts, reference, tmp_path, name: str, victim: int, failure) 
 def test_cut_link_detected_within_step_deadline_and_training_finishes(hosts, reference, tmp_path):
     record = _train_through(hosts, reference, tmp_path, "cut", 2, hosts.cut)
     assert record["kind"] == "hung", record
-    assert "step_timeout_s=4" in record["cause"] and len(record["ranks"]) == 1, record
+    # the cut-off rank, found by a ping once its chunk was late (or, at the latest, at step_timeout_s)
+    assert ("stopped answering" in record["cause"] or "step_timeout_s=4" in record["cause"]) and len(record["ranks"]) == 1, record
     # noticed within the step deadline (plus the 2 s ping that finds the silent rank and a margin)
     assert record["detect_s"] < OPTIONS["step_timeout_s"] + 2 + 3, record
 

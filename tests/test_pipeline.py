@@ -42,7 +42,7 @@ class FakeGroup:
         self.world, self.calls, self.fail_at, self.sigterm_at = world, [], fail_at, sigterm_at
         self.actors = [FakeActor(self, r) for r in range(world)]
 
-    def gather(self, refs, deadline, what):
+    def gather(self, refs, deadline, what, suspect_s=None):
         out = []
         for call in refs:
             if call.method == "run":

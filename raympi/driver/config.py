@@ -23,7 +23,8 @@ class MPIConfig(BaseModel):
     ``netmod="auto"`` picks MPICH's OFI network module with its ``tcp`` provider
     when the group may span hosts (UCX, MPICH's own default, hung on ``Connect``
     between hosts) and UCX when every rank is sure to share one host (about 3x
-    faster there).  "May span" counts the ranks' nodes and every live node that
+    faster there; with ``UCX_RNDV_SCHEME=am``, under which a rank outlives a
+    peer that died mid-transfer).  "May span" counts the ranks' nodes and every live node that
     could host a replacement later, because replacements inherit the group's
     choice (see :func:`raympi.driver.group.spans_hosts`).  An autoscaling cluster that
     starts with one node should set ``netmod="ofi"``.  ``interface`` names the
@@ -44,6 +45,10 @@ class MPIConfig(BaseModel):
         env = {"MPIR_CVAR_CH4_NETMOD": netmod}
         if netmod == "ofi" and self.provider:
             env["FI_PROVIDER"] = self.provider
+        if netmod == "ucx":
+            # Rendezvous by active messages, not by reading the peer's memory (CMA): a rank whose peer
+            # died mid-transfer then lives on (CMA's failed read aborts it), and large messages are faster.
+            env["UCX_RNDV_SCHEME"] = "am"
         if self.interface:
             env["FI_TCP_IFACE" if netmod == "ofi" else "UCX_NET_DEVICES"] = self.interface
         return {**env, **self.env}

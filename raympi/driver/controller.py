@@ -171,7 +171,7 @@ class Controller:
                 self._recovered_at = detected
                 return None
             except recovery.WarmSkipped as why:
-                skipped = str(why)
+                skipped = why
         # Cold, or a Warm that could not be carried out (``skipped`` says why)
         self._drop_group()
         self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done

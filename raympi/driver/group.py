@@ -8,6 +8,7 @@ group that failed is never reused.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any, Callable, Sequence
 
 import ray
@@ -21,6 +22,9 @@ from raympi.driver.config import FitConfig
 from raympi.driver.policy import Failed, Failure, FailureKind
 from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
+
+REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
+SUSPECT_PING_S = 1.5  # a suspected rank that does not answer a ping within this while others do is hung
 
 __all__ = ["WorkerGroup"]
 
@@ -76,10 +80,12 @@ class WorkerGroup:
             self.actors = [self._spawn(i, i) for i in range(world)]
             self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", startup=True, first_call=True)
             announce("joining MPI")
+            started = time.monotonic()
             members = comm.form(self.actors, timeout_s=max(1.0, deadline.remaining()), bucket_bytes=cfg.bucket_bytes,
                                 compression=cfg.compression)
             self.hosts = [host for _, _, host in members]
-            self.state_ref = state if state is None else ray.put(state)
+            self.form_s = time.monotonic() - started
+            self.state_ref = state if state is None or isinstance(state, ray.ObjectRef) else ray.put(state)
             shards = ray_dataset[0].streaming_split(world, equal=True) if ray_dataset else [None] * world
             columns = ray_dataset[1] if ray_dataset else None
             self.pids = self.gather([a.setup.remote(self.state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
@@ -119,7 +125,7 @@ class WorkerGroup:
         alive, ready = [], []
         for spare in self.spares:
             done = bool(ray.wait([spare[2]], timeout=0)[0])
-            if done and not _ok(spare[2]):  # died starting (its node is gone, say)
+            if done and not succeeded(spare[2]):  # died starting (its node is gone, say)
                 ray.kill(spare[0], no_restart=True)
                 continue
             (ready if done else alive).append(spare)
@@ -164,8 +170,10 @@ class WorkerGroup:
         self.actors = [self.actors[r] for r in keep] + [a for a, _, _ in ready]
         self.bundles = [self.bundles[r] for r in keep] + [b for _, b, _ in ready]
         self.world = len(self.actors)
-        members = comm.form(self.actors, timeout_s=max(1.0, deadline.remaining()), bucket_bytes=self.cfg.bucket_bytes,
-                            compression=self.cfg.compression)
+        # Re-forming hangs now and then after a peer died mid-collective (MPICH over UCX, about 1 in 10-30):
+        # give it a few times the first formation's duration, not the whole restart deadline.
+        members = comm.form(self.actors, timeout_s=max(1.0, min(deadline.remaining(), max(REFORM_MIN_S, 4 * self.form_s))),
+                            bucket_bytes=self.cfg.bucket_bytes, compression=self.cfg.compression)
         self.hosts = [host for _, _, host in members]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
@@ -188,19 +196,34 @@ class WorkerGroup:
                 "other jobs hold the rest); raise startup_timeout_s or free resources"
             )
 
-    def gather(self, refs: Sequence[Any], deadline: Deadline, what: str, startup: bool = False, first_call: bool = False) -> list[Any]:
+    def gather(self, refs: Sequence[Any], deadline: Deadline, what: str, startup: bool = False, first_call: bool = False,
+               suspect_s: float | None = None) -> list[Any]:
         """Results of one call per rank, failing fast on the first error and at ``deadline``.
 
         ``first_call``: the workers' first call, where dying on a live node means the spec did not unpickle.
+        ``suspect_s``: after this long (and again each time it passes) every rank is pinged; when some
+        answer and others do not, the silent ones are hung (stopped, cut off) without waiting for ``deadline``.
 
         Raises:
             Failed: a rank died, raised, or made no progress in time (``startup``: a timeout is a
                 :class:`CapacityError` instead: the workers could not even start).
         """
         rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
         try:
-            for ref in each_done(refs, deadline):
-                self._check(ref, rank_of[ref], what, first_call=first_call)
+            while pending:
+                wait = deadline if suspect_s is None else deadline.sooner(suspect_s)
+                try:
+                    for ref in each_done(pending, wait):
+                        pending.remove(ref)
+                        self._check(ref, rank_of[ref], what, first_call=first_call)
+                except Expired as expired:
+                    if deadline.expired():
+                        raise Expired(deadline, expired.pending) from None
+                    stuck = self.silent(list(range(self.world)), timeout_s=SUSPECT_PING_S)
+                    if len(stuck) < self.world:  # some answered, these did not: hung, not merely slow
+                        raise Failed(self._failure(FailureKind.HUNG, f"{what}: rank(s) {stuck} stopped answering "
+                                                   f"(no reply to a ping within {SUSPECT_PING_S:g} s while the others replied)", stuck)) from None
         except Expired as expired:
             stuck = self.silent(sorted(rank_of[r] for r in expired.pending))
             message = f"{what}: rank(s) {stuck} made no progress within {deadline.setting} (hung process, cut link, or too small a deadline)"
@@ -272,7 +295,7 @@ def _clean(trace: str) -> str:
     return "\n".join(line for line in lines if line.strip(" ^~"))
 
 
-def _ok(ref: Any) -> bool:
+def succeeded(ref: Any) -> bool:
     """Whether a finished task succeeded (a spare that died starting did not)."""
     try:
         ray.get(ref, timeout=0)

@@ -22,6 +22,7 @@ from raympi.driver.policy import Failed, Failure, FailureKind
 __all__ = ["Chunk", "ChunkPlan", "Pipeline", "Hooks"]
 
 CHUNK_SECONDS = 0.5  # target duration of one chunk of steps
+SUSPECT_S = 2.0  # waited this long for a chunk (four times its target duration): ping the ranks
 MAX_CHUNK = 512
 
 
@@ -137,8 +138,10 @@ class Pipeline:
             # The first step of a new group also warms up autograd and MPI's connections: startup time.
             field = "startup_timeout_s" if chunk.first == start else "step_timeout_s"
             deadline = Deadline(getattr(cfg, field), field, start=max(last_done, time.monotonic()))
+            # A rank stopped or cut off is found by a ping long before step_timeout_s, which stays the hard limit.
+            suspect = {} if chunk.first == start else {"suspect_s": SUSPECT_S}
             try:
-                results = group.gather(chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}")
+                results = group.gather(chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}", **suspect)
             except Failed as failed:
                 return dataclasses.replace(failed.failure, chunks=(chunk, *inflight))
             aborted = [r for r, res in enumerate(results) if res["aborted"]]

@@ -18,7 +18,7 @@ import ray
 
 from raympi.deadline import Deadline
 from raympi.driver.capacity import cluster_capacity
-from raympi.driver.group import WorkerGroup
+from raympi.driver.group import WorkerGroup, succeeded
 from raympi.driver.policy import Failed, Failure, FailureKind, Warm
 from raympi.driver.run_state import RunState
 from raympi.exceptions import CapacityError, FormationError
@@ -27,7 +27,15 @@ __all__ = ["WarmSkipped", "cold", "grow", "record_of", "warm"]
 
 
 class WarmSkipped(Exception):
-    """The warm path could not be carried out (the message says why); a cold restart follows."""
+    """The warm path could not be carried out (the message says why); a cold restart follows.
+
+    ``resume``: ``(step, state ref, history)`` of the survivors when they were still whole (re-forming
+    failed), for the cold restart to start from instead of the older checkpoint.
+    """
+
+    def __init__(self, message: str, resume: tuple[int, Any, tuple] | None = None) -> None:
+        super().__init__(message)
+        self.resume = resume
 
 
 def record_of(failure: Failure, run: RunState, world: int) -> dict[str, Any]:
@@ -78,28 +86,36 @@ def warm(group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cf
     root = max(survivors, key=lambda r: done[r])
     step, world_before = done[root], group.world
     print(f"raympi: {failure.cause}; warm restart of {len(survivors)} survivor(s) at step {step}", file=sys.stderr)
-    try:
-        group.reform(survivors, root, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
-    except Exception as error:  # whatever went wrong, the cold path starts from scratch
-        raise WarmSkipped(f"re-forming failed: {type(error).__name__}: {error}") from None
     history = list(run.until(step))
     for s in range(run.step + 1, step + 1):  # steps the survivors finished but the driver had not seen yet
         history.append({"step": s, "epoch": (s - 1) // steps_per_epoch, **reported.get(s, {}), "world_size": world_before, "time": time.time()})
+    # Taken from the root's health thread while it re-forms; used only if re-forming fails.
+    snapshot = group.actors[root].snapshot.remote()
+    try:
+        group.reform(survivors, root, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
+    except Exception as error:  # the cold path starts a new group, from the survivors' state if it was saved
+        saved = ray.wait([snapshot], timeout=Deadline(cfg.step_timeout_s).remaining())[0]
+        raise WarmSkipped(f"re-forming failed: {type(error).__name__}: {error}",
+                          resume=(step, snapshot, tuple(history)) if saved and succeeded(snapshot) else None) from None
     record.update(path="warm", world_after=group.world, steps_lost=max(0, record["step"] - step), restored_step=step)
     return _append(run, record, failure, history=tuple(history), start_step=step)
 
 
 def cold(start_group: Callable[..., WorkerGroup], bundle: dict[str, float], failure: Failure, run: RunState, cfg: Any,
-         world_before: int, warm_skipped: str | None = None) -> tuple[WorkerGroup, RunState]:
+         world_before: int, warm_skipped: WarmSkipped | None = None) -> tuple[WorkerGroup, RunState]:
     """A new group of as many workers as the cluster can host (``min_workers`` to ``workers``,
-    waiting up to ``restart_timeout_s``), restored from the newest checkpoint in driver memory.
+    waiting up to ``restart_timeout_s``), restored from the survivors' state when a failed warm
+    restart saved it, else from the newest checkpoint in driver memory.
 
     ``start_group(world, state, place_timeout_s)`` builds a :class:`WorkerGroup`.
     """
     record = record_of(failure, run, world_before)
-    if warm_skipped:
-        record["warm_skipped"] = warm_skipped
     step, state = (run.newest.step, run.newest.state) if run.newest else (0, None)
+    history = run.until(step)
+    if warm_skipped:
+        record["warm_skipped"] = str(warm_skipped)
+        if warm_skipped.resume:
+            (step, state, history), record["from"] = warm_skipped.resume, "survivors"
     print(f"raympi: {failure.cause}; restarting from step {step}", file=sys.stderr)
     deadline = Deadline(cfg.restart_timeout_s, "restart_timeout_s")
     last_error: Exception | None = None
@@ -109,8 +125,8 @@ def cold(start_group: Callable[..., WorkerGroup], bundle: dict[str, float], fail
         if world >= cfg.min_workers:
             try:
                 group = start_group(world, state, min(5.0, max(1.0, remaining)))
-                record.update(world_after=group.world, steps_lost=record["step"] - step, restored_step=step)
-                return group, _append(run, record, failure, history=run.until(step), start_step=step)
+                record.update(world_after=group.world, steps_lost=max(0, record["step"] - step), restored_step=step)
+                return group, _append(run, record, failure, history=history, start_step=step)
             except (CapacityError, FormationError, Failed) as error:  # a node went away meanwhile: count again
                 if isinstance(error, Failed) and error.failure.kind is FailureKind.USER_ERROR:
                     raise error.failure.as_error() from None
@@ -132,3 +148,4 @@ def grow(group: WorkerGroup, failure: Failure, run: RunState, cfg: Any) -> RunSt
     group.reform(list(range(group.world)), 0, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
     record.update(world_after=group.world, recovery_s=time.monotonic() - start)
     return _append(run, record, failure)
+

@@ -116,7 +116,7 @@ class Worker(comm.Member):
         self._build_steps()
         scaling = LossScaling() if self.step_options.get("precision") == "fp16" else None  # fp16: the scaler lives in the state
         state_tree = (TrainState.create(self.model, self.optimizer, seed=seed, loss_scaling=scaling) if state is None
-                      else TrainState.from_dict(state))
+                      else TrainState.from_dict(pytree.from_arrays(state)))  # a checkpoint, or a survivor's snapshot
         self._own(state_tree)
         return os.getpid()
 
@@ -210,6 +210,11 @@ class Worker(comm.Member):
     def ping(self) -> int:
         """Answered from its own thread even while a step blocks in MPI: silence means a hung process."""
         return os.getpid()
+
+    @ray.method(concurrency_group="health")
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`state_dict` from the health thread, while the main one may be blocked re-forming."""
+        return self.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain CPU tensors (what a checkpoint holds).
