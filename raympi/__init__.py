@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from raympi import comm
-from raympi.core import LossScaling, TrainState, make_eval_step, make_train_step, optim
 from raympi.exceptions import (
     CapacityError, ConfigError, FormationError, MPIUnavailableError, NonFiniteLossError, PreemptedError, RaympiError,
     RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError,
@@ -19,8 +18,12 @@ from raympi.exceptions import (
 
 __version__ = "0.1.0"
 
-# The driver imports Ray: loaded on first use, so the core stays light.
-_DRIVER = {"fit": "fit", "Result": "fit", "FitConfig": "config", "MPIConfig": "config", "load_checkpoint": "checkpoint"}
+# Loaded on first use: the driver imports Ray and the core torch, and a light MPI member
+# (``raympi.comm`` alone) needs neither.
+_LAZY = {"fit": "raympi.driver.fit", "Result": "raympi.driver.fit", "FitConfig": "raympi.driver.config",
+         "MPIConfig": "raympi.driver.config", "load_checkpoint": "raympi.driver.checkpoint",
+         "LossScaling": "raympi.core", "TrainState": "raympi.core", "make_eval_step": "raympi.core",
+         "make_train_step": "raympi.core", "optim": "raympi.core"}
 
 
 def __getattr__(name: str) -> Any:
@@ -28,8 +31,8 @@ def __getattr__(name: str) -> Any:
 
     if name == "callbacks":
         return importlib.import_module("raympi.driver.callbacks")
-    if name in _DRIVER:
-        return getattr(importlib.import_module(f"raympi.driver.{_DRIVER[name]}"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'raympi' has no attribute {name!r}")
 
 
