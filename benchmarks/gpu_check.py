@@ -1,0 +1,358 @@
+"""raympi on a GPU machine, checked and timed in one run (well under 8 minutes, Ray's start included).
+
+Meant for one run on a 1 x H200 (16 cores) machine; ``--cpu`` (automatic without CUDA) runs the very
+same code paths on CPU workers with tiny sizes, so the script is known not to crash before it gets
+its one GPU run.  Every stage runs under its own time limit (SIGALRM) and try/except: a failure or a
+timeout is reported and the next stage runs.  Stages:
+
+  env       torch, CUDA, GPU and MPI versions.
+  parity    a small MLP (fp32, SGD with momentum, 2 epochs of 4 steps) through ``raympi.fit``: one GPU
+            worker, and two workers sharing one GPU (``resources_per_worker={"GPU": 0.5}``) with
+            ``overlap`` off and on, each against the same run on CPU workers.  Tolerance rtol 1e-4,
+            atol 1e-5: float32 sums in another order (cuBLAS vs MKL/OpenBLAS, TF32 is off for matmuls
+            by default) differ by a few ulp per step (~1e-7 relative); eight steps of lr 0.05 with
+            momentum leave that near 1e-6, so 1e-4 still catches any real error (a lost or double
+            gradient bucket moves the parameters by ~1e-2).
+  resnet    ResNet-18 (torchvision, 10 classes) on synthetic 3x64x64 images (32x32 with --cpu), bf16,
+            SGD: ``raympi.fit`` with one worker per GPU (overlap on: its default with GPUs), two
+            workers sharing GPU 0 (overlap off, on), and a plain single-GPU torch loop on the same
+            batches (autocast bf16, pinned host batches copied to the device as the worker does).
+            ms/step of fit = global batch / its samples_per_s (median over chunks after the first);
+            overhead = fit / plain (target <= 1.10).
+  staging   a 100 MB float32 gradient (1 MB with --cpu) summed between 2 ranks sharing GPU 0:
+            its parts (device -> pinned host -> device copies alone; the MPI sum of the host buffer
+            alone), the communicator's path without overlap (``Communicator.allreduce_``: pack, stage,
+            sum, copy back) and ``BucketAllreduce`` (25 MB buckets staged on a side stream, summed on
+            the reduction thread); then the same after a stand-in backward (matmuls producing the
+            gradient bucket by bucket): compute alone, compute then allreduce_, buckets started as
+            produced (overlap).
+
+Prints one table per stage and writes everything as JSON to $OUT/gpu_check.json when OUT is set,
+else to benchmarks/out/gpu_check.json (gpu_check_cpu.json with --cpu).
+
+    python benchmarks/gpu_check.py            # on the GPU machine
+    python benchmarks/gpu_check.py --cpu      # here: the same paths on CPU, tiny sizes
+
+Two workers on one GPU: ``raympi.driver.capacity.worker_bundle`` raises a worker's GPU share to at
+least 1, so ``resources_per_worker={"GPU": 0.5}`` alone cannot place them; until it honours a
+fraction (``bundle["GPU"] = bundle.get("GPU") or 1.0``), this script swaps that function where the
+driver looks it up (:func:`_shared_gpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import raympi  # noqa: E402
+from raympi import comm  # noqa: E402
+from raympi.comm.buckets import BucketAllreduce  # noqa: E402
+from raympi.driver.config import MPIConfig  # noqa: E402
+
+BUDGET_S = 420  # the whole run, Ray's start included; a stage that cannot get 30 s of it is skipped
+LIMITS_S = {"parity": 150, "resnet": 240, "staging": 100}
+
+
+class StageTimeout(BaseException):
+    """A stage ran past its limit (a BaseException, so that no ``except Exception`` inside swallows it)."""
+
+
+@contextlib.contextmanager
+def _limit(seconds: float):
+    """Raise :class:`StageTimeout` after ``seconds``; nests (an outer limit still holds after an inner one)."""
+    def alarm(*_: Any) -> None:
+        raise StageTimeout(f"over its {seconds:.0f} s limit")
+    outer = signal.alarm(0)  # seconds left of an enclosing limit (0: none)
+    previous = signal.signal(signal.SIGALRM, alarm)
+    began = time.monotonic()
+    signal.alarm(max(1, int(min(seconds, outer) if outer else seconds)))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.alarm(max(1, int(outer - (time.monotonic() - began))))
+
+
+@contextlib.contextmanager
+def _shared_gpu():
+    """Let ``resources_per_worker={"GPU": 0.5}`` put two workers on one GPU (see the module docstring)."""
+    from raympi.driver import controller, group
+
+    def bundle(cfg: Any, use_gpu: bool) -> dict[str, float]:
+        out = dict(cfg.resources_per_worker)
+        if use_gpu:
+            out["GPU"] = out.get("GPU") or 1.0
+        return out
+
+    mods = [m for m in (controller, group) if hasattr(m, "worker_bundle")]
+    saved = [m.worker_bundle for m in mods]
+    for m in mods:
+        m.worker_bundle = bundle
+    try:
+        yield
+    finally:
+        for m, fn in zip(mods, saved):
+            m.worker_bundle = fn
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def stage_env(cfg: argparse.Namespace) -> dict[str, Any]:
+    from raympi.comm import library
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
+           "mpi": library.library_version(), "cpus": os.cpu_count(), "mode": "gpu" if cfg.gpu else "cpu"}
+    if cfg.gpu:
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["bf16"] = torch.cuda.is_bf16_supported()
+    return out
+
+
+def _fit(model: nn.Module, data: Any, gpu: bool, workers: int, share: bool, **options: Any) -> Any:
+    """One ``raympi.fit`` on the running Ray; ``share``: the workers split GPU 0."""
+    res = {"CPU": 1.0, **({"GPU": 1.0 / workers} if gpu and share else {})}
+    with tempfile.TemporaryDirectory() as ckpt, (_shared_gpu() if share else contextlib.nullcontext()):
+        return raympi.fit(model, data, workers=workers, use_gpu=gpu, resources_per_worker=res, progress=False,
+                          checkpoint_dir=ckpt, startup_timeout_s=120, step_timeout_s=60, spares=0, **options)
+
+
+def stage_parity(cfg: argparse.Namespace) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(96, 32, generator=g), torch.randint(0, 10, (96,), generator=g))
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    opts = dict(batch_size=24, epochs=2, max_steps=8, optimizer=raympi.optim.sgd(0.05, momentum=0.9), torch_threads=1)
+    rows = []
+    for label, workers, share, overlap in (("1 worker", 1, False, None), ("2 workers, one GPU, overlap off", 2, True, False),
+                                           ("2 workers, one GPU, overlap on", 2, True, True)):
+        ref = _fit(mlp(), data, False, workers, False, overlap=False, **opts)
+        # --cpu: the "device" run is a CPU run with overlap on, through the same code
+        run = _fit(mlp(), data, cfg.gpu, workers, share, overlap=overlap if cfg.gpu else True, **opts)
+        diff = max((run.state.params[k] - ref.state.params[k]).abs().max().item() for k in ref.state.params)
+        ok = all(torch.allclose(run.state.params[k], ref.state.params[k], rtol=1e-4, atol=1e-5) for k in ref.state.params)
+        rows.append({"case": label, "steps": len(run.metrics), "max_abs_diff": diff, "loss": run.metrics[-1]["loss"],
+                     "cpu_loss": ref.metrics[-1]["loss"], "match": ok})
+    return {"rows": rows, "tolerance": "rtol 1e-4, atol 1e-5", "all_match": all(r["match"] for r in rows)}
+
+
+def _resnet() -> nn.Module:
+    import torchvision
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def _plain_loop(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, device: torch.device) -> float:
+    """ms/step of a plain torch loop on one device: pinned batch copied in, autocast bf16, SGD."""
+    model = _resnet().to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(steps + 5):
+        lo = (i * batch) % (len(x) - batch + 1)
+        xb, yb = x[lo: lo + batch], y[lo: lo + batch]
+        sync()
+        start = time.perf_counter()
+        if device.type == "cuda":
+            xb, yb = xb.pin_memory().to(device, non_blocking=True), yb.pin_memory().to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        loss.item()  # raympi's step reads its metrics back once
+        sync()
+        if i >= 5:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _fit_ms(result: Any, global_batch: int) -> float:
+    rates = [m["samples_per_s"] for m in result.metrics]
+    chunks = [r for i, r in enumerate(rates) if i == 0 or r != rates[i - 1]][1:] or rates  # one rate per chunk, not the first
+    return global_batch / statistics.median(chunks) * 1e3
+
+
+def stage_resnet(cfg: argparse.Namespace) -> dict[str, Any]:
+    size, batch, steps, n = (64, 128, 200, 4096) if cfg.gpu else (32, 4, 6, 32)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+    device = torch.device("cuda", 0) if cfg.gpu else torch.device("cpu")
+    opts = dict(max_steps=steps, precision="bf16", optimizer=raympi.optim.sgd(0.01, momentum=0.9),
+                torch_threads=2 if cfg.gpu else 1)
+    rows: list[dict[str, Any]] = []
+    plain = _plain_loop(x, y, batch, steps, device)
+    rows.append({"case": "plain torch loop, 1 device", "global_batch": batch, "ms_per_step": plain, "ms_per_sample": plain / batch})
+    gpus = max(1, torch.cuda.device_count()) if cfg.gpu else 1
+    for label, workers, share, overlap in ((f"raympi.fit, {gpus} worker(s), one per GPU", gpus, False, None),
+                                           ("raympi.fit, 2 workers on GPU 0, overlap off", 2, True, False),
+                                           ("raympi.fit, 2 workers on GPU 0, overlap on", 2, True, True)):
+        try:
+            with _limit(100):
+                result = _fit(_resnet(), (x, y), cfg.gpu, workers, share, batch_size=batch * workers, overlap=overlap,
+                              epochs=steps * batch * workers // n + 1, **opts)
+            ms = _fit_ms(result, batch * workers)
+            rows.append({"case": label, "global_batch": batch * workers, "ms_per_step": ms, "ms_per_sample": ms / (batch * workers),
+                         "vs_plain_per_sample": (ms / (batch * workers)) / (plain / batch), "final_loss": result.metrics[-1]["loss"]})
+        except (Exception, StageTimeout) as exc:
+            rows.append({"case": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    one = rows[1].get("vs_plain_per_sample")
+    return {"rows": rows, "image": f"3x{size}x{size}", "overhead_1_worker": one,
+            "target_met": None if one is None else one <= 1.10}
+
+
+@ray.remote
+class Stager(comm.Member):
+    """One rank of the staging measurement."""
+
+    def measure(self, nbytes: int, bucket_bytes: int, reps: int, gpu: bool) -> dict[str, float]:
+        torch.set_num_threads(1)
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        sync = torch.cuda.synchronize if gpu else (lambda: None)
+        numel, per = nbytes // 4, bucket_bytes // 4
+        grad = torch.ones(numel, device=device)
+        host = torch.empty(numel, pin_memory=gpu)
+        self.comm.bucket_bytes = bucket_bytes
+        buckets = BucketAllreduce(self.comm, thread=True)
+        a = torch.randn(2048 if gpu else 64, 2048 if gpu else 64, device=device)
+
+        def produce(overlap: bool) -> None:  # a stand-in backward: each bucket written after some compute
+            for lo in range(0, numel, per):
+                for _ in range(4):
+                    c = a @ a
+                grad[lo: lo + per].fill_(1.0).add_(c[0, 0] * 0)
+                if overlap:
+                    buckets.start(grad[lo: lo + per])
+
+        cases: dict[str, Callable[[], None]] = {
+            "copies only (device->pinned->device)": lambda: (host.copy_(grad, non_blocking=gpu), sync(), grad.copy_(host, non_blocking=gpu)),
+            "MPI sum of the host buffer": lambda: self.comm.allreduce_([host]),
+            "no overlap: Communicator.allreduce_": lambda: self.comm.allreduce_([grad]),
+            "BucketAllreduce (staged buckets)": lambda: ([buckets.start(grad[lo: lo + per]) for lo in range(0, numel, per)], buckets.finish()),
+            "compute alone": lambda: produce(False),
+            "compute, then allreduce_": lambda: (produce(False), self.comm.allreduce_([grad])),
+            "compute, buckets started as produced": lambda: (produce(True), buckets.finish()),
+        }
+        out: dict[str, list[float]] = {k: [] for k in cases}
+        for r in range(reps + 1):
+            for name, fn in cases.items():
+                self.comm.barrier()
+                sync()
+                start = time.perf_counter()
+                fn()
+                sync()
+                if r:
+                    out[name].append((time.perf_counter() - start) * 1e3)
+        buckets.close()
+        return {k: statistics.median(v) for k, v in out.items()}
+
+
+def stage_staging(cfg: argparse.Namespace) -> dict[str, Any]:
+    nbytes, bucket_bytes, reps = (100 * 10**6, 25 * 2**20, 10) if cfg.gpu else (10**6, 2**18, 3)
+    env = MPIConfig().environment(multi_host=False)
+    opts = {"num_cpus": 1, "num_gpus": 0.5 if cfg.gpu else 0, "runtime_env": {"env_vars": env}}
+    ranks = [Stager.options(**opts).remote() for _ in range(2)]
+    try:
+        comm.form(ranks, timeout_s=60)
+        res = ray.get([r.measure.remote(nbytes, bucket_bytes, reps, cfg.gpu) for r in ranks], timeout=LIMITS_S["staging"] - 20)[0]
+    finally:
+        for r in ranks:
+            ray.kill(r)
+    return {"bytes": nbytes, "bucket_bytes": bucket_bytes, "ms": res,
+            "overlap_gain": res["compute, then allreduce_"] / res["compute, buckets started as produced"]}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _print(name: str, result: dict[str, Any]) -> None:
+    print(f"\n== {name}: {result.get('status')} ({result.get('seconds', 0):.1f} s)", flush=True)
+    body = result.get("result") or {}
+    if "error" in result:
+        print("   " + result["error"].strip().replace("\n", "\n   "))
+    for row in body.get("rows", []):
+        print("   " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    for k, v in body.items():
+        if k == "rows":
+            continue
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                print(f"   {kk:<42} {vv:10.2f} ms" if isinstance(vv, float) else f"   {kk}: {vv}")
+        else:
+            print(f"   {k}: {v:.4g}" if isinstance(v, float) else f"   {k}: {v}")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="CPU workers, tiny sizes (automatic without CUDA)")
+    ap.add_argument("--stages", default="env,parity,resnet,staging", help="comma-separated subset")
+    cfg = ap.parse_args(argv)
+    cfg.gpu = not cfg.cpu and torch.cuda.is_available()
+    began = time.monotonic()
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "out"
+    out_file = out_dir / ("gpu_check.json" if cfg.gpu else "gpu_check_cpu.json")
+    report: dict[str, Any] = {"mode": "gpu" if cfg.gpu else "cpu", "stages": {}}
+    print(f"gpu_check: {'GPU' if cfg.gpu else 'CPU (--cpu or no CUDA): the same paths, tiny sizes'}", flush=True)
+    try:
+        t0 = time.monotonic()
+        ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=torch.cuda.device_count() if cfg.gpu else 0,
+                 include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        report["ray_start_s"] = time.monotonic() - t0
+    except Exception as exc:
+        report["ray_start_error"] = f"{type(exc).__name__}: {exc}"
+    stages = {"env": stage_env, "parity": stage_parity, "resnet": stage_resnet, "staging": stage_staging}
+    for name in cfg.stages.split(","):
+        left = BUDGET_S - (time.monotonic() - began)
+        entry: dict[str, Any] = {}
+        start = time.monotonic()
+        if left < 30 or (name != "env" and "ray_start_error" in report):
+            entry["status"] = "skipped (time budget)" if left < 30 else "skipped (Ray did not start)"
+        else:
+            try:
+                with _limit(min(LIMITS_S.get(name, 60), left)):
+                    entry["result"] = stages[name](cfg)
+                entry["status"] = "ok"
+            except StageTimeout as exc:
+                entry.update(status="timeout", error=str(exc))
+            except Exception as exc:
+                entry.update(status="failed", error=traceback.format_exc(limit=4)[-2000:])
+        entry["seconds"] = time.monotonic() - start
+        report["stages"][name] = entry
+        _print(name, entry)
+        try:  # written after every stage: a later hang still leaves the rest
+            out_dir.mkdir(parents=True, exist_ok=True)
+            out_file.write_text(json.dumps({**report, "total_s": time.monotonic() - began}, indent=1, default=str))
+        except OSError as exc:
+            print(f"could not write {out_file}: {exc}")
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    report["total_s"] = time.monotonic() - began
+    out_file.write_text(json.dumps(report, indent=1, default=str))
+    print(f"\ntotal {report['total_s']:.0f} s; JSON: {out_file}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
