@@ -27,6 +27,7 @@ from raympi.core.state import TrainState
 from raympi.core.batch import correct_predictions
 from raympi.core.step import make_eval_step, make_train_step
 from raympi.exceptions import CollectiveAborted
+from raympi.worker.checkpoint_io import DirectWriter, Snapshot, StoredState
 from raympi.worker.sources import ArraySource, DatasetSource, StreamSource, arrays_from_refs
 
 __all__ = ["Worker", "WorkerSpec", "accuracy", "to_tensors"]
@@ -97,6 +98,7 @@ class Worker(comm.Member):
         self.source: Any = _source(spec.train, spec.train_kind, spec) if spec.train_kind != "stream" else None
         self.eval_source: Any = _source(spec.eval, spec.eval_kind, spec, loader_workers=0) if spec.eval is not None else None
         self.state: TrainState | None = None
+        self.writer = DirectWriter()  # large checkpoints, written from here in the background
         # A spot reclaim sends SIGTERM: note it, finish the chunk, and let the driver take a checkpoint
         # and re-form the group without this rank (it kills us then).
         self.sigterm = False
@@ -116,7 +118,8 @@ class Worker(comm.Member):
         self._build_steps()
         scaling = LossScaling() if self.step_options.get("precision") == "fp16" else None  # fp16: the scaler lives in the state
         state_tree = (TrainState.create(self.model, self.optimizer, seed=seed, loss_scaling=scaling) if state is None
-                      else TrainState.from_dict(pytree.from_arrays(state)))  # a checkpoint, or a survivor's snapshot
+                      else TrainState.from_dict(state.load() if isinstance(state, StoredState)  # a large checkpoint on storage
+                                                else pytree.from_arrays(state)))  # a checkpoint, or a survivor's snapshot
         self._own(state_tree)
         return os.getpid()
 
@@ -215,6 +218,20 @@ class Worker(comm.Member):
     def snapshot(self) -> dict[str, Any]:
         """:meth:`state_dict` from the health thread, while the main one may be blocked re-forming."""
         return self.state_dict()
+
+    def checkpoint(self, folder: str, min_bytes: int) -> Snapshot:
+        """The state for a checkpoint: of at least ``min_bytes``, copied and written into ``folder`` (a
+        temporary folder the driver made) in the background, so that training waits only for the copy;
+        otherwise (or when ``folder`` is not visible here) in the answer, for the driver to write."""
+        snapshot = self.writer.start(self.state.to_dict(), folder, min_bytes)
+        if snapshot.folder is None:
+            snapshot.arrays = self.state_dict()
+        return snapshot
+
+    @ray.method(concurrency_group="health")
+    def checkpoint_status(self, folder: str) -> dict[str, Any]:
+        """How the background write into ``folder`` goes (see :meth:`DirectWriter.status`)."""
+        return self.writer.status(folder)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain CPU tensors (what a checkpoint holds).
