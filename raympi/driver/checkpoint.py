@@ -11,55 +11,56 @@ an object store's error) costs that checkpoint only: its temporary folder is rem
 intact, and the driver warns (the folder, on a full disk the free and needed space, the checkpoint a
 restart would use) and trains on.  ``wait(strict=True)`` still raises what means the state itself is
 lost: rank 0 did not hand it over, or it cannot be serialized.
+
+A state of at least ``direct_bytes`` never comes to the driver: rank 0 writes ``state.pt`` into a
+temporary folder itself and the driver commits it (:mod:`raympi.driver.checkpoint_direct`); the
+driver then keeps a :class:`~raympi.worker.checkpoint_io.StoredState` instead of the state.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
 import hashlib
 import io
 import json
 import os
 import posixpath
 import queue
-import re
-import shutil
 import threading
 import warnings
 from typing import Any
 
 import torch
 
+from raympi.driver.checkpoint_direct import DirectRequest, await_write, not_shared
+from raympi.driver.checkpoint_folders import _IN_FLIGHT, AtomicFolders, _remove
 from raympi.exceptions import ConfigError, WorkerLostError
+from raympi.worker.checkpoint_io import StoredState, fs_of, is_local as _is_local, read_checkpoint as _read, verify
 
 __all__ = ["CheckpointStore", "load_checkpoint", "CORRUPT_WARNING"]
 
 CORRUPT_WARNING = "raympi checkpoint unusable"
-_LEFTOVER = re.compile(r"\.step-\d+\.(?:tmp|old)-(\d+)|\.write-test-(\d+)")  # what a write leaves if killed
-_IN_FLIGHT: set[str] = set()  # this process's folders being written or deleted (any store)
 
 
-def _is_local(root: str) -> bool:
-    return "://" not in root or root.startswith("file://")
-
-
-class CheckpointStore:
+class CheckpointStore(AtomicFolders):
     """The checkpoints of one run under ``root``, of which the newest ``keep`` are kept.
+
+    ``direct_bytes``: rank 0 writes a state of at least this many bytes itself (``None``: never).
 
     Raises:
         ConfigError: ``root`` cannot be created or written (checked at once, before any worker starts).
     """
 
-    def __init__(self, root: str, keep: int = 3, fetch_timeout_s: float = 60.0) -> None:
-        import fsspec
-
+    def __init__(self, root: str, keep: int = 3, fetch_timeout_s: float = 60.0, direct_bytes: int | None = None) -> None:
         self.root = root.removeprefix("file://")
         self.keep = keep
         self.fetch_timeout_s = fetch_timeout_s  # rank 0 handing over its state (a stopped rank must not hang us)
-        self.fs = fsspec.filesystem("file") if _is_local(root) else fsspec.core.url_to_fs(root)[0]
-        self._path = self.root if _is_local(root) else self.fs._strip_protocol(root)
+        self.direct_bytes = direct_bytes
+        self.received_bytes = 0  # state bytes the driver fetched from rank 0 (none for direct writes)
+        self.fs, self._path = fs_of(root)
+        self._requested: dict[str, DirectRequest] = {}  # asked of rank 0, not yet handed to save_async
+        self._seq, self._warned = 0, False
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority)
         self._pending: list[concurrent.futures.Future] = []
         self._saved: queue.SimpleQueue = queue.SimpleQueue()
@@ -79,11 +80,35 @@ class CheckpointStore:
         """Path of a file next to the checkpoints (metrics, plot)."""
         return posixpath.join(self._path, name)
 
-    def save_async(self, state: Any, manifest: dict[str, Any]) -> concurrent.futures.Future:
-        """Write in the background; ``state`` may be a Ray object ref (fetched by the writer).
+    def request(self, actor: Any, step: int) -> Any:
+        """Ask rank 0 (``actor``) for its state after ``step``, queued behind the steps sent to it: an
+        object ref of the state, or with ``direct_bytes`` a :class:`DirectRequest` (pass either to :meth:`save_async`)."""
+        if self.direct_bytes is None:
+            return actor.state_dict.remote()
+        self._seq += 1
+        tmp = posixpath.join(self._path, f".step-{step:08d}.tmp-{os.getpid()}-{self._seq}")
+        _IN_FLIGHT.add(tmp)
+        with contextlib.suppress(OSError):  # rank 0 then cannot see it and hands the state over instead
+            self.fs.makedirs(tmp, exist_ok=True)
+        url = tmp if _is_local(self.root) else self.fs.unstrip_protocol(tmp)
+        self._requested[tmp] = request = DirectRequest(actor, actor.checkpoint.remote(url, self.direct_bytes), tmp, url)
+        return request
 
-        Once the checkpoint is on disk, ``(path, step, state)`` is queued for :meth:`drain_saved`.
+    def abandon_unsaved(self) -> None:
+        """Drop the requests that will never be saved (the steps before them failed): their folders go."""
+        for tmp in list(self._requested):
+            del self._requested[tmp]
+            self._pending.append(self._writer.submit(self._forget, tmp))
+
+    def save_async(self, state: Any, manifest: dict[str, Any]) -> concurrent.futures.Future:
+        """Write in the background; ``state`` may be a Ray object ref (fetched by the writer) or a
+        :class:`DirectRequest` (rank 0 writes, the writer commits).
+
+        Once the checkpoint is on disk, ``(path, step, state)`` is queued for :meth:`drain_saved`
+        (``state`` a :class:`StoredState` when rank 0 wrote it).
         """
+        if isinstance(state, DirectRequest):
+            self._requested.pop(state.tmp, None)
         future = self._writer.submit(self._save_ref, state, manifest)
         self._pending.append(future)
         return future
@@ -94,16 +119,10 @@ class CheckpointStore:
         return _drain(self._saved)
 
     def _save_ref(self, state: Any, manifest: dict[str, Any]) -> str | None:
+        if isinstance(state, DirectRequest):
+            return self._save_direct(state, manifest)
         if not isinstance(state, dict):
-            import ray
-
-            from raympi.core import pytree
-
-            try:
-                state = pytree.from_arrays(ray.get(state, timeout=self.fetch_timeout_s))  # zero-copy views
-            except ray.exceptions.GetTimeoutError:
-                raise WorkerLostError(f"rank 0 did not hand over its state for step {manifest['step']} within "
-                                      f"{self.fetch_timeout_s:g} s (startup_timeout_s)") from None
+            state = self._fetch(state, manifest)
         try:
             path = self.save(state, manifest)
         except OSError as exc:  # storage, not the state: warn, keep training on the previous checkpoint
@@ -111,6 +130,63 @@ class CheckpointStore:
             return None
         self._saved.put((path, int(manifest["step"]), state))  # handed to the driver's thread, never shared
         return path
+
+    def _fetch(self, ref: Any, manifest: dict[str, Any]) -> Any:
+        import ray
+
+        from raympi.core import pytree
+        from raympi.worker.checkpoint_io import Snapshot
+
+        try:
+            got = ray.get(ref, timeout=self.fetch_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerLostError(f"rank 0 did not hand over its state for step {manifest['step']} within "
+                                  f"{self.fetch_timeout_s:g} s (startup_timeout_s)") from None
+        if isinstance(got, Snapshot):
+            got = got.arrays
+        self.received_bytes += sum(getattr(a, "nbytes", 0) for a in pytree.leaves(got))
+        return pytree.from_arrays(got)  # zero-copy views
+
+    def _save_direct(self, request: DirectRequest, manifest: dict[str, Any]) -> str | None:
+        """Commit what rank 0 writes into ``request.tmp``; a small state (or storage rank 0 cannot see) is written here."""
+        step = int(manifest["step"])
+        try:
+            snapshot = self._fetch_snapshot(request, manifest)
+            if snapshot.folder is None:
+                self._forget(request.tmp)
+                if snapshot.note and not self._warned:
+                    self._warned = True
+                    self._lost.put(not_shared(snapshot.note, self.root, snapshot.bytes))
+                return self._save_ref(self._fetch(request.ref, manifest), manifest)
+            status = await_write(request, step, self.fetch_timeout_s)
+            manifest = {**manifest, "sha256": status["sha256"], "bytes": status["bytes"], "written_by": "rank 0",
+                        "blocked_s": snapshot.blocked_s, "copy_s": snapshot.copy_s, "write_s": status["write_s"]}
+            path = self._commit(manifest, tmp=request.tmp)
+        except WorkerLostError as exc:  # that checkpoint is lost with rank 0; the previous one stays
+            self._forget(request.tmp)
+            self._lost.put(f"checkpoint step-{step:08d} not written: {exc}; {self._still()}; training goes on")
+            return None
+        except OSError as exc:
+            self._forget(request.tmp)
+            why = str(exc) if "not written" in str(exc) else self._why_lost(f"step-{step:08d}", exc, manifest.get("bytes", 0))
+            self._lost.put(f"{why}; training goes on")
+            return None
+        self._saved.put((path, step, StoredState(path, manifest["sha256"], manifest["bytes"])))
+        return path
+
+    def _fetch_snapshot(self, request: DirectRequest, manifest: dict[str, Any]) -> Any:
+        import ray
+
+        try:
+            return ray.get(request.ref, timeout=self.fetch_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerLostError(f"rank 0 did not answer the checkpoint request within {self.fetch_timeout_s:g} s (startup_timeout_s)") from None
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerLostError(f"rank 0 was lost ({type(exc).__name__})") from None
+
+    def _forget(self, tmp: str) -> None:
+        _remove(self.fs, tmp)
+        _IN_FLIGHT.discard(tmp)
 
     def wait(self, strict: bool = True) -> None:
         """Block until every background write is done; re-raise a failed one (``strict``) or warn about it."""
@@ -139,87 +215,22 @@ class CheckpointStore:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         blob = buffer.getbuffer()  # no copy
-        manifest = {**manifest, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
-        meta = json.dumps(manifest, indent=1, default=repr).encode()
-        name = f"step-{int(manifest['step']):08d}"
-        final = posixpath.join(self._path, name)
-        tmp, old = (posixpath.join(self._path, f".{name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
-        replaced = False
-        try:
-            self._remove_leftovers()
-            _IN_FLIGHT.update((tmp, old))
-            self._write(posixpath.join(tmp, "state.pt"), blob)
-            self._write(posixpath.join(tmp, "manifest.json"), meta)
-            replaced = self.fs.exists(final)
-            if replaced:  # the same step again: set the old one aside first, a rename is atomic
-                self._rename(final, old)
-            self._rename(tmp, final)
-        except OSError as exc:
-            _remove(self.fs, tmp)
-            with contextlib.suppress(OSError):
-                if replaced and not self.fs.exists(final):
-                    self._rename(old, final)  # the previous copy of this step stays
-            raise OSError(exc.errno, self._why_lost(name, exc, len(blob) + len(meta))) from exc
-        finally:
-            _IN_FLIGHT.difference_update((tmp, old))
-        if replaced:
-            _remove(self.fs, old)
-        self._prune()
-        return final if _is_local(self.root) else f"{self.root.rstrip('/')}/{name}"
+        return self._commit({**manifest, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}, blob)
 
-    def _why_lost(self, name: str, exc: OSError, needed: int) -> str:
-        """A failed write's message: the folder, on a full disk the space, and the checkpoint a restart uses."""
-        full = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno)
-        free = f"{shutil.disk_usage(self._path).free / 1e6:.1f} MB free, " if full and _is_local(self.root) else ""
-        why = f"{full} on {self._path} ({free}{needed / 1e6:.1f} MB needed)" if full else f"{exc.strerror or exc} on {self._path}"
-        try:
-            names = self._names()
-        except OSError:
-            names = []
-        still = f"the newest checkpoint is still {names[-1]}" if names else "there is no checkpoint yet"
-        return f"checkpoint {name} not written: {why}; {still}"
+    def latest(self, stored_from: int | None = None) -> tuple[str, dict[str, Any], Any] | None:
+        """``(path, manifest, state)`` of the newest valid checkpoint; broken ones are reported and skipped.
 
-    def _rename(self, src: str, dst: str) -> None:
-        if _is_local(self.root):
-            os.rename(src, dst)
-            return _fsync_dir(self._path)
-        self.fs.mv(src, dst, recursive=True)
-
-    def _remove_leftovers(self) -> None:
-        """Remove what writes killed midway left (their process is gone), or this process's failed ones."""
-        for name in self._names(prefix="."):
-            path = posixpath.join(self._path, name)
-            if (match := _LEFTOVER.fullmatch(name)) and path not in _IN_FLIGHT and not _alive(int(match[1] or match[2])):
-                _remove(self.fs, path)
-
-    def _write(self, path: str, data: bytes) -> None:
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        with self.fs.open(path, "wb") as f:
-            f.write(data)
-            if _is_local(self.root):
-                f.flush()
-                os.fsync(f.fileno())
-                _fsync_dir(posixpath.dirname(path))
-
-    def _names(self, prefix: str = "step-") -> list[str]:
-        entries = self.fs.ls(self._path, detail=False) if self.fs.exists(self._path) else []
-        return sorted(name for e in entries if (name := posixpath.basename(e.rstrip("/"))).startswith(prefix))
-
-    def _prune(self) -> None:
-        """Keep the newest ``keep``; each older one is renamed aside first, so a kill never leaves half of one."""
-        try:
-            for name in self._names()[: -self.keep]:
-                aside = posixpath.join(self._path, f".{name}.old-{os.getpid()}")
-                self._rename(posixpath.join(self._path, name), aside)
-                _remove(self.fs, aside)
-        except OSError:
-            pass  # the checkpoint is written; the next write prunes again
-
-    def latest(self) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
-        """``(path, manifest, state)`` of the newest valid checkpoint; broken ones are reported and skipped."""
+        ``stored_from``: a state of at least this many bytes is verified but left on storage (``state``
+        is then a :class:`StoredState`).
+        """
         for name in reversed(self._names()):
             path = posixpath.join(self._path, name)
             try:
+                if stored_from is not None:
+                    with self.fs.open(posixpath.join(path, "manifest.json"), "rb") as f:
+                        if json.loads(f.read()).get("bytes", 0) >= stored_from:
+                            manifest = verify(self.fs, path)
+                            return path, manifest, StoredState(self._url(name), manifest["sha256"], manifest["bytes"])
                 return path, *_read(self.fs, path)
             except Exception as exc:  # any damage: say so, set it aside for inspection, fall back
                 aside = posixpath.join(self._path, "corrupt-" + name)
@@ -231,16 +242,6 @@ class CheckpointStore:
         return None
 
 
-def _read(fs: Any, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    with fs.open(posixpath.join(path, "manifest.json"), "rb") as f:
-        manifest = json.loads(f.read())
-    with fs.open(posixpath.join(path, "state.pt"), "rb") as f:
-        blob = f.read()
-    if hashlib.sha256(blob).hexdigest() != manifest.get("sha256"):
-        raise ValueError(f"checksum mismatch ({len(blob)} bytes, manifest says {manifest.get('bytes')})")
-    return manifest, torch.load(io.BytesIO(blob), weights_only=True)
-
-
 def _drain(messages: queue.SimpleQueue) -> list[Any]:
     out = []
     while True:
@@ -250,35 +251,12 @@ def _drain(messages: queue.SimpleQueue) -> list[Any]:
             return out
 
 
-def _alive(pid: int) -> bool:
-    """Whether another process ``pid`` runs on this host (this one's folders not in flight are failed writes)."""
-    try:
-        return pid != os.getpid() and os.kill(pid, 0) is None
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: another user's process
-        return True
-
-
-def _remove(fs: Any, path: str) -> None:
-    with contextlib.suppress(OSError):  # absent, or a leftover the next write removes
-        fs.rm(path, recursive=True)
-
-
 def _background_priority() -> None:
     """Run the writer thread at the lowest CPU priority: on a node shared with workers it must not slow their steps."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: per thread
     except (AttributeError, OSError):
         pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint(path: str) -> Any:
@@ -300,7 +278,4 @@ def load_checkpoint(path: str) -> Any:
         if found is None:
             raise FileNotFoundError(f"no valid checkpoint under {path}")
         return TrainState.from_dict(found[2])
-    import fsspec
-
-    fs = fsspec.filesystem("file") if _is_local(path) else fsspec.core.url_to_fs(path)[0]
-    return TrainState.from_dict(_read(fs, path.removeprefix("file://") if _is_local(path) else fs._strip_protocol(path))[1])
+    return TrainState.from_dict(_read(*fs_of(path))[1])

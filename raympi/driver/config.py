@@ -76,6 +76,7 @@ class FitConfig(BaseModel):
     checkpoint_dir: Optional[str] = Field(None, description="local path or fsspec URI; default ./runs/raympi-<time>")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end)")
     keep_checkpoints: int = Field(3, ge=1)
+    direct_checkpoint_bytes: Optional[int] = Field(2**30, ge=0, description="a state of at least this many bytes is written by rank 0 straight to checkpoint_dir (copied, then written in the background), never through the driver; None: the driver writes every checkpoint. With workers on other nodes than the driver, checkpoint_dir must be shared storage or an fsspec URL")
     resume: bool = False
     progress: Optional[bool] = Field(None, description="progress bar; default: when stderr is a terminal")
     address: Optional[str] = Field(None, description="Ray cluster to join ('auto'); default RAY_ADDRESS or a new local instance")

@@ -78,6 +78,7 @@ class Controller:
                 if failure is None:
                     self._enter(Phase.RUNNING)
                     failure = self.pipeline.run(self.group, self.run.step, self, self._stop_requested)
+                    self.store.abandon_unsaved()  # checkpoints asked for in chunks that never completed
                 if failure is None:
                     return self._finish()
                 self._enter(Phase.RECOVERING)

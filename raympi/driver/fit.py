@@ -29,6 +29,7 @@ from raympi.driver.pipeline import ChunkPlan, Pipeline
 from raympi.driver.run_state import Checkpoint, RunState
 from raympi.exceptions import ConfigError, MPIUnavailableError, TrainingError
 from raympi.worker import WorkerSpec, to_tensors
+from raympi.worker.checkpoint_io import StoredState
 
 __all__ = ["fit", "Result"]
 
@@ -107,7 +108,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
     if sample is not None:  # a Dataset is never read on the driver: its first step checks it
         _dry_run(model, loss_fn, optimizer, *sample, cfg)
     root = cfg.checkpoint_dir or os.path.join("runs", "raympi-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    store = CheckpointStore(root, cfg.keep_checkpoints, fetch_timeout_s=cfg.startup_timeout_s)
+    store = CheckpointStore(root, cfg.keep_checkpoints, fetch_timeout_s=cfg.startup_timeout_s, direct_bytes=cfg.direct_checkpoint_bytes)
     if not ray.is_initialized():
         announce("starting Ray" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "connecting to Ray")
     started_ray = _connect_ray(cfg) or started_ray
@@ -131,10 +132,14 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
                        "params": {name: list(p.shape) for name, p in model.named_parameters()}}
         run = _resumed(store, fingerprint) if cfg.resume else RunState()
         run = dataclasses.replace(run, warm_possible=ray_dataset is None)
-        pipeline = Pipeline(plan, sampler, cfg, eval_data.length if eval_data else 0)
+        pipeline = Pipeline(plan, sampler, cfg, eval_data.length if eval_data else 0,
+                            snapshot=lambda group, step: store.request(group.actors[0], step))
         final = Controller(cfg, spec, pipeline, store, run, ray_dataset, announce, fingerprint).fit()
         # The driver's copy may be read-only object-store memory: hand the user tensors of their own.
-        state = pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(final.newest.state))
+        # A large state was written by rank 0 and never came here: it is read from storage now, once.
+        kept = final.newest.state
+        kept = kept.load() if isinstance(kept, StoredState) else kept
+        state = pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(kept))
         model.load_state_dict({**state.params, **state.buffers}, strict=False)
         return Result(state=state, model=model, metrics=list(final.history), checkpoint=final.newest.path,
                       restarts=list(final.restarts), ema=optim.ema_params(state.opt_state))
@@ -180,7 +185,7 @@ def _resumed(store: CheckpointStore, fingerprint: dict[str, Any]) -> RunState:
         ConfigError: the checkpoint was made with a global batch, seed, dataset length or model that
             differs from this run's: its step would mean other samples (each difference is named).
     """
-    found = store.latest()
+    found = store.latest(stored_from=store.direct_bytes)  # a large state stays on storage: the workers read it
     if found is None:
         return RunState()
     path, manifest, state = found

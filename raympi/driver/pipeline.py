@@ -89,8 +89,12 @@ class Hooks(Protocol):
 class Pipeline:
     """Runs chunks of steps on a group; returns ``None`` when done or the :class:`Failure` that stopped it."""
 
-    def __init__(self, plan: ChunkPlan, sampler: Sampler, cfg: Any, eval_size: int) -> None:
+    def __init__(self, plan: ChunkPlan, sampler: Sampler, cfg: Any, eval_size: int,
+                 snapshot: Callable[[Any, int], Any] | None = None) -> None:
         self.plan, self.sampler, self.cfg, self.eval_size = plan, sampler, cfg, eval_size
+        # How rank 0's state after a step is asked for (queued behind that step's chunk): by default an
+        # object ref of the state; the checkpoint store may ask rank 0 to write a large one itself.
+        self.snapshot = snapshot or (lambda group, step: group.actors[0].state_dict.remote())
 
     def submit(self, group: Any, first: int, count: int) -> Chunk:
         """Send steps ``first+1 .. first+count`` to every rank (indices only)."""
@@ -106,7 +110,7 @@ class Pipeline:
             parts = torch.tensor_split(torch.arange(self.eval_size), world)
             chunk.eval = [a.evaluate.remote(parts[r], self.cfg.eval_with_ema) for r, a in enumerate(group.actors)]
         if self.plan.wants_checkpoint(last):
-            chunk.state = group.actors[0].state_dict.remote()
+            chunk.state = self.snapshot(group, last)
         return chunk
 
     def run(self, group: Any, start: int, hooks: Hooks, stop_requested: Callable[[], Failure | None]) -> Failure | None:
@@ -172,10 +176,5 @@ class Pipeline:
     def _stopped(self, group: Any, stop: Failure, step: int, hooks: Hooks, saved: bool = False) -> Failure:
         """Nothing in flight: a planned stop takes a checkpoint of the step reached (so it loses none)."""
         if stop.kind is not FailureKind.REPLACEMENT_READY and not saved:
-            hooks.save(self.submit_state(group), step)
+            hooks.save(self.snapshot(group, step), step)
         return stop
-
-    @staticmethod
-    def submit_state(group: Any) -> Any:
-        """Rank 0's state now (between chunks)."""
-        return group.actors[0].state_dict.remote()
