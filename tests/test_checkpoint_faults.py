@@ -24,6 +24,8 @@ import torch
 import raympi
 from raympi.comm import library
 from raympi.driver.checkpoint import CheckpointStore
+from raympi.driver.checkpoint_folders import _IN_FLIGHT
+from raympi.worker.checkpoint_io import write_state
 from raympi.exceptions import ConfigError
 
 
@@ -85,15 +87,26 @@ def _arm(point: int) -> None:
     builtins.open = lambda file, mode="r", *a, **kw: (Torn if "w" in mode else (lambda f: f))(real_open(file, mode, *a, **kw))
 
 
-def _fork_writer(root: str, keep: int, state: dict, step: int, point: int) -> bool:
-    """Write ``step`` in a forked process killed at ``point``; True if it was killed, False if it finished."""
+def _fork_writer(root: str, keep: int, state: dict, step: int, point: int, direct: bool = False) -> bool:
+    """Write ``step`` in a forked process killed at ``point``; True if it was killed, False if it finished.
+
+    ``direct``: as rank 0 and the driver write a large state (the driver makes the temporary folder,
+    rank 0 streams ``state.pt`` into it, the driver adds the manifest and renames), in one process.
+    """
     store = CheckpointStore(root, keep=keep)
     pid = os.fork()
     if pid == 0:  # the writer: never returns into pytest
         code = 1
         try:
             _arm(point)
-            store.save(state, {"step": step})
+            if direct:
+                tmp = os.path.join(root, f".step-{step:08d}.tmp-{os.getpid()}-1")
+                _IN_FLIGHT.add(tmp)
+                os.mkdir(tmp)
+                sha, size = write_state(store.fs, os.path.join(tmp, "state.pt"), state, local=True)
+                store._commit({"step": step, "sha256": sha, "bytes": size}, tmp=tmp)
+            else:
+                store.save(state, {"step": step})
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -107,9 +120,11 @@ def _fork_writer(root: str, keep: int, state: dict, step: int, point: int) -> bo
     return False
 
 
-@pytest.mark.parametrize("case", ["new step, pruned to keep=1", "same step again, keep=2"])
+@pytest.mark.parametrize("case", ["new step, pruned to keep=1", "same step again, keep=2", "direct: new step, keep=1",
+                                  "direct: same step again, keep=2"])
 def test_a_kill_at_any_point_of_a_write_never_leaves_a_newest_checkpoint_that_loads_wrong(tmp_path, case):
-    keep, again = (1, False) if case.startswith("new") else (2, True)
+    direct = case.startswith("direct: ")
+    keep, again = (1, False) if case.removeprefix("direct: ").startswith("new") else (2, True)
     states = {10: _state(10), 20: _state(20), 21: _state(21)}  # 21: the new content of step 20 written again
     outcomes, complete_leftovers = set(), 0
     for point in range(1, 300):
@@ -117,7 +132,7 @@ def test_a_kill_at_any_point_of_a_write_never_leaves_a_newest_checkpoint_that_lo
         CheckpointStore(root, keep=keep).save(states[10], {"step": 10, "version": 10})
         if again:
             CheckpointStore(root, keep=keep).save(states[20], {"step": 20, "version": 20})
-        killed = _fork_writer(root, keep, states[21 if again else 20], 20, point)
+        killed = _fork_writer(root, keep, states[21 if again else 20], 20, point, direct)
         version = 21 if again else 20
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a damaged step-* folder would be reported: none may be
@@ -127,7 +142,7 @@ def test_a_kill_at_any_point_of_a_write_never_leaves_a_newest_checkpoint_that_lo
         assert _same(state, states[found]), f"kill point {point}: {path} loads another state than was saved"
         outcomes.add(found)
         leftovers = [n for n in os.listdir(root) if not n.startswith("step-")]
-        assert all(re.fullmatch(r"\.step-000000[12]0\.(tmp|old)-\d+", n) for n in leftovers), leftovers
+        assert all(re.fullmatch(r"\.step-000000[12]0\.(tmp|old)-\d+(-1)?", n) for n in leftovers), leftovers
         complete_leftovers += any(os.path.exists(os.path.join(root, n, "manifest.json")) for n in leftovers)
         CheckpointStore(root, keep=keep).save(_state(30, mb=0.1), {"step": 30})  # a later write cleans up
         assert [n for n in os.listdir(root) if not n.startswith("step-")] == []
