@@ -41,14 +41,17 @@ def test_recovery_benchmark_quick():
 
 
 def test_compare_quick():
-    """benchmarks/compare.py --quick: raympi, the mpiexec template and the floor run; the template ends with raympi's parameters."""
+    """benchmarks/compare.py --quick: raympi, the mpiexec template, the floor and the raw allreduce run; the template ends with raympi's parameters."""
     proc = _quick("compare.py", 300)
     assert re.search(r"^model\s+\|\s+W\s+\|\s+contender\s+\|\s+min\s+\|\s+median\s+\|\s+max\s+\|\s+ratio\s+\|", proc.stdout, re.M), proc.stdout
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+raympi\s+\|\s+[0-9.]+\s+\|.*\|\s+ref\s*$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+mpiexec-template\s+\|\s+[0-9.]+\s+\|.*\|\s+PASS\b", proc.stdout, re.M), proc.stdout
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+floor\s+\|\s+[0-9.]+\s+\|", proc.stdout, re.M), proc.stdout
     assert (ROOT / "benchmarks" / "out" / "compare.csv").exists() and (ROOT / "benchmarks" / "out" / "compare.png").exists()
-    assert re.search(r"^  cnn W=2: raympi [0-9.]+ ms, [0-9.]+x \(floor [0-9.]+ \+ raw allreduce [0-9.]+ ms\)", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^cnn\s+\|\s+2\s+\|\s+raw-allreduce\s+\|\s+[0-9.]+\s+\|.*\|\s+n/a", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^  cnn W=2: raympi [0-9.]+ ms,\s+[0-9.]+x mpiexec-template \[target <= 0.85: (met|NOT met)\],\s+"
+                     r"[0-9.]+x floor [0-9.]+ \+ raw allreduce [0-9.]+ ms \(Ray actors, fit's transport, p10-p90 [0-9.]+-[0-9.]+\)",
+                     proc.stdout, re.M), proc.stdout
 
 
 def test_fit_overhead_quick():
@@ -100,7 +103,21 @@ def test_scale_quick():
     """benchmarks/scale.py --quick: light members form and reduce; the driver's CPU per chunk with instant workers."""
     proc = _quick("scale.py", 180)
     for n in (2, 4):
-        assert re.search(rf"^\s+{n} \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|", proc.stdout, re.M), proc.stdout
+        assert re.search(rf"^\s+{n} |\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|", proc.stdout, re.M), proc.stdout
     assert re.search(r"^  alpha-beta at N=2 \(not oversubscribed\): latency \(8 B allreduce\) [0-9.]+ us", proc.stdout, re.M), proc.stdout
     for k in (1, 4):
         assert re.search(rf"^\s+4 \|\s+{k} \|\s+\d+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+\d+% \|\s+\d+%", proc.stdout, re.M), proc.stdout
+
+
+def test_gpu_check_cpu_mode_smoke(tmp_path):
+    """benchmarks/gpu_check.py --cpu: the script, its guards and the overlapped staging run on CPU and write JSON."""
+    import json
+    import os
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--stages", "env,staging"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OUT": str(tmp_path)})
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert re.search(r"^== staging: ok", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^   compute, buckets started as produced\s+[0-9.]+ ms", proc.stdout, re.M), proc.stdout
+    report = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
+    assert report["stages"]["env"]["status"] == "ok" and report["stages"]["staging"]["status"] == "ok"
