@@ -155,8 +155,8 @@ def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="ERROR")
     options = dict(workers=workers, max_steps=steps, epochs=10_000, batch_size=64, checkpoint_every=25, progress=False,
-                   seed=seed, optimizer=raympi.optim.sgd(0.05, momentum=0.9), step_timeout_s=4.0, restart_timeout_s=30.0,
-                   max_restarts=faults + 5)
+                   seed=seed, optimizer=raympi.optim.sgd(0.05, momentum=0.9), max_restarts=faults + 5)  # else fit's defaults
+    others = {p.pid for p in worker_processes()}  # another Ray instance's on this machine: not ours to count
     try:
         start = time.monotonic()
         clean = raympi.fit(_net(), _data(), checkpoint_dir=str(out / f"clean-{seed}"), **options)
@@ -173,9 +173,9 @@ def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 
             chaos.thread.join()
         chaos_s = time.monotonic() - start
         deadline = time.monotonic() + 30  # killed actors take a moment to go
-        while worker_processes() and time.monotonic() < deadline:
+        while [p for p in worker_processes() if p.pid not in others] and time.monotonic() < deadline:
             time.sleep(0.25)
-        left = worker_processes()
+        left = [p for p in worker_processes() if p.pid not in others]
         for p in left:  # a SIGSTOPped process that escaped would hold the run's resources
             p.kill()
     finally:

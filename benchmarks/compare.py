@@ -11,6 +11,10 @@ batch; 1 torch thread per process, CPU):
     mpiexec-template  the classic mpi4py template under the mpich wheel's mpiexec: loss.backward(),
                       then comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM) per parameter, / W
     floor             one process, batch 32 (one worker's share), no communication: the compute floor
+    raw-allreduce     not a trainer: W Ray actors joined by raympi.comm.form with fit's MPI environment
+                      time RAW_REPS allreduces of one float32 buffer as large as all the gradients
+                      (the same kind of processes and transport as raympi's workers); its "ms/step" is
+                      the median of those reps, with their 10th-90th percentiles beside it
 
 Models: the CNN of examples/mnist.py (``Net``, 108k parameters) and an MLP 784-2048-2048-10 (5.8M).
 Data: synthetic MNIST-shaped tensors of a fixed seed, N = 32*W*E samples, so that one epoch is
@@ -26,9 +30,10 @@ times of its metrics records (step `warmup` to the last step).  "launch s" is th
 of the contender (raympi: the fit() call; Ray Train: trainer.fit(); the others: the subprocess launch)
 to the end of rank 0's first step; Ray's own start (ray.init) is not included.
 
-After the table, "raympi vs the targets" sets raympi's median against torchrun-DDP's and against the floor plus
-the raw communication: one MPI_Allreduce of a buffer as large as all the gradients, timed under mpiexec by the
-template's ranks right after their run (so it needs the mpiexec-template and floor contenders).
+After the table, "raympi vs the targets" sets raympi's median against torchrun-DDP's, the template's, and the
+floor plus the raw communication: the raw-allreduce contender's median (interleaved with the others in every
+run), and, for reference, one MPI_Allreduce of the same size timed under mpiexec by the template's ranks right
+after their run (mpiexec's default transport), each with its spread over the reps.
 
 Correctness: every contender but the floor saves its final parameters; each must agree with raympi's
 (or, without raympi, the first one that ran) to atol = rtol = 1e-4 (summation orders differ), else
@@ -77,10 +82,10 @@ LR = 0.01
 SEED = 0
 ATOL = RTOL = 1e-4
 CHILD_TIMEOUT_S = 600
-RAW_REPS = 10
+RAW_REPS = 60
 
 MODELS = ("cnn", "mlp")
-CONTENDERS = ("raympi", "torchrun-ddp", "raytrain", "mpiexec-template", "floor")
+CONTENDERS = ("raympi", "torchrun-ddp", "raytrain", "mpiexec-template", "floor", "raw-allreduce")
 COMPARED = ("raympi", "torchrun-ddp", "mpiexec-template", "raytrain")  # order of preference for the reference
 
 
@@ -200,7 +205,7 @@ def _child(mode: str, spec_path: str) -> None:
             times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
         if comm.Get_rank() == 0:
             res = json.loads(Path(spec["result"]).read_text())
-            res["raw_allreduce_ms"] = 1000 * statistics.median(times[1:])
+            res.update(_spread(times[1:], "raw_allreduce_"))
             Path(spec["result"]).write_text(json.dumps(res))
     elif mode == "floor":
         model = _load_model(spec)
@@ -254,6 +259,46 @@ def run_mpiexec(spec: dict[str, Any], workers: int) -> dict[str, Any]:
         raise RuntimeError("no mpiexec next to the interpreter or on PATH (pip install mpich)")
     cmd = [str(mpiexec), "-n", str(workers), sys.executable, str(Path(__file__).resolve()), "--child", "mpi", "--spec", spec["path"]]
     return _run_subprocess(cmd, spec, CHILD_TIMEOUT_S)
+
+
+def _spread(seconds: list[float], prefix: str = "") -> dict[str, float]:
+    """Median and 10th/90th percentiles of ``seconds``, in ms."""
+    q = statistics.quantiles(seconds, n=10)
+    return {f"{prefix}ms": 1000 * statistics.median(seconds), f"{prefix}p10_ms": 1000 * q[0], f"{prefix}p90_ms": 1000 * q[-1]}
+
+
+def run_raw_allreduce(spec: dict[str, Any], workers: int) -> dict[str, Any]:
+    """RAW_REPS allreduces of a gradient-sized float32 buffer among W Ray actors in fit's MPI environment."""
+    import numpy as np
+    import ray
+
+    from raympi import comm
+    from raympi.driver.config import MPIConfig
+
+    @ray.remote(num_cpus=1)
+    class Rank(comm.Member):
+        def time_allreduce(self, count: int, reps: int) -> list[float]:
+            x = np.zeros(count, dtype=np.float32)
+            times = []
+            for _ in range(reps + 1):  # the first sets up the connections
+                self.comm.barrier()
+                start = time.perf_counter()
+                self.comm.allreduce_array_(x)
+                times.append(time.perf_counter() - start)
+            return times[1:]
+
+    count = sum(p.numel() for p in build_model(spec["model"]).parameters())
+    _ray_init(workers)
+    try:
+        env = {**MPIConfig().environment(multi_host=False), "OMP_NUM_THREADS": "1"}
+        ranks = [Rank.options(runtime_env={"env_vars": env}).remote() for _ in range(workers)]
+        comm.form(ranks, timeout_s=120)
+        per_rank = ray.get([r.time_allreduce.remote(count, RAW_REPS) for r in ranks], timeout=CHILD_TIMEOUT_S)
+    finally:
+        ray.shutdown()
+    slowest = [max(rep) for rep in zip(*per_rank)]
+    res = _spread(slowest, "raw_allreduce_")
+    return {"ms_per_step": res["raw_allreduce_ms"], "launch_s": None, "params": None, **res}
 
 
 def run_floor(spec: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -321,7 +366,7 @@ def run_raytrain(spec: dict[str, Any], workers: int) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "raympi": run_raympi, "torchrun-ddp": run_torchrun, "raytrain": run_raytrain,
-    "mpiexec-template": run_mpiexec, "floor": run_floor,
+    "mpiexec-template": run_mpiexec, "floor": run_floor, "raw-allreduce": run_raw_allreduce,
 }
 
 
@@ -393,7 +438,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--workers", default="2,4")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--quick", action="store_true", help="1 run, cnn, W=2, 15 steps (5 warm-up), raympi + mpiexec-template + floor")
+    p.add_argument("--quick", action="store_true", help="1 run, cnn, W=2, 15 steps (5 warm-up), raympi + mpiexec-template + floor + raw-allreduce")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -402,7 +447,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.quick:
         args.runs, args.steps, args.warmup = 1, 15, 5
-        args.models, args.workers, args.contenders = "cnn", "2", "raympi,mpiexec-template,floor"
+        args.models, args.workers, args.contenders = "cnn", "2", "raympi,mpiexec-template,floor,raw-allreduce"
     models = [m for m in args.models.split(",") if m]
     workers = [int(w) for w in args.workers.split(",") if w]
     contenders = [c for c in args.contenders.split(",") if c]
@@ -427,12 +472,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 "result": str(tmp / f"{tag}.result.json"), "params": str(tmp / f"{tag}.params.pt")}
                         Path(spec["path"]).write_text(json.dumps(spec))
                         row: dict[str, Any] = {"run": run, "model": model, "workers": w, "contender": name, "ms_per_step": None,
-                                               "launch_s": None, "raw_allreduce_ms": None, "max_param_diff": None, "params_match": "",
-                                               "error": ""}
+                                               "launch_s": None, "raw_allreduce_ms": None, "raw_allreduce_p10_ms": None,
+                                               "raw_allreduce_p90_ms": None, "max_param_diff": None, "params_match": "", "error": ""}
                         began = time.time()
                         try:
                             res = RUNNERS[name](spec, w)
-                            row.update(ms_per_step=res["ms_per_step"], launch_s=res["launch_s"], raw_allreduce_ms=res.get("raw_allreduce_ms"))
+                            row.update(ms_per_step=res["ms_per_step"], launch_s=res["launch_s"],
+                                       **{k: res.get(k) for k in ("raw_allreduce_ms", "raw_allreduce_p10_ms", "raw_allreduce_p90_ms")})
                             if res["params"]:
                                 params[name] = torch.load(res["params"], weights_only=True)
                         except Exception as exc:  # recorded, reported, and the exit status says so
@@ -446,7 +492,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     init = torch.load(files["init"][model], weights_only=True)
                     for row in rows[-len(contenders):]:
                         if row["contender"] not in params:
-                            row["params_match"] = "n/a" if row["contender"] == "floor" else "ERROR"
+                            row["params_match"] = "n/a" if row["contender"] in ("floor", "raw-allreduce") else "ERROR"
                             continue
                         ok, diff = _compare(params[ref_name], params[row["contender"]])
                         row["max_param_diff"] = diff
@@ -516,22 +562,35 @@ def _print_table(summary, args) -> None:
 
 
 def _print_targets(summary, rows, models, workers) -> None:
-    """raympi against DDP and against the floor: single-process step + raw MPI allreduce of the gradients."""
+    """raympi against DDP, the template, and the floor plus the raw allreduce of the gradients (issue 15's targets)."""
     med = {(s["model"], s["workers"], s["contender"]): s["median"] for s in summary}
+    targets = {"mlp": {"floor+raw": 1.10, "mpiexec-template": 0.90}, "cnn": {"torchrun-ddp": 0.65, "mpiexec-template": 0.85}}
     print("\nraympi vs the targets (medians of this run)")
     for m in models:
         for w in workers:
             mine = med.get((m, w, "raympi"))
             if mine is None:
                 continue
+            goal = targets.get(m, {}) if w == 2 else {}
             parts = [f"{m} W={w}: raympi {mine:.2f} ms"]
-            if med.get((m, w, "torchrun-ddp")):
-                parts.append(f"{mine / med[(m, w, 'torchrun-ddp')]:.2f}x torchrun-DDP")
-            raw = [r["raw_allreduce_ms"] for r in rows if r["model"] == m and r["workers"] == w and r["raw_allreduce_ms"]]
-            if raw and med.get((m, w, "floor")):
-                floor = med[(m, w, "floor")] + statistics.median(raw)
-                parts.append(f"{mine / floor:.2f}x (floor {med[(m, w, 'floor')]:.2f} + raw allreduce {statistics.median(raw):.2f} ms)")
-            print("  " + ", ".join(parts))
+
+            def judged(name: str, ratio: float) -> str:
+                return f" [target <= {goal[name]:.2f}: {'met' if ratio <= goal[name] else 'NOT met'}]" if name in goal else ""
+
+            for other in ("torchrun-ddp", "mpiexec-template"):
+                if med.get((m, w, other)):
+                    ratio = mine / med[(m, w, other)]
+                    parts.append(f"{ratio:.2f}x {other}{judged(other, ratio)}")
+            for source in ("raw-allreduce", "mpiexec-template"):
+                raw = [r for r in rows if r["model"] == m and r["workers"] == w and r["contender"] == source and r["raw_allreduce_ms"]]
+                if raw and med.get((m, w, "floor")):
+                    ms = statistics.median(r["raw_allreduce_ms"] for r in raw)
+                    spread = f"p10-p90 {min(r['raw_allreduce_p10_ms'] for r in raw):.2f}-{max(r['raw_allreduce_p90_ms'] for r in raw):.2f}"
+                    ratio = mine / (med[(m, w, "floor")] + ms)
+                    where = "Ray actors, fit's transport" if source == "raw-allreduce" else "under mpiexec, its default transport"
+                    parts.append(f"{ratio:.2f}x floor {med[(m, w, 'floor')]:.2f} + raw allreduce {ms:.2f} ms ({where}, {spread})"
+                                 + (judged("floor+raw", ratio) if source == "raw-allreduce" else ""))
+            print("  " + ",\n    ".join(parts))
 
 
 def _plot(summary, models, workers, contenders, path: Path) -> None:

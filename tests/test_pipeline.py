@@ -40,6 +40,7 @@ class FakeActor:
 class FakeGroup:
     def __init__(self, world: int, fail_at: tuple[str, int] | None = None, sigterm_at: int | None = None) -> None:
         self.world, self.calls, self.fail_at, self.sigterm_at = world, [], fail_at, sigterm_at
+        self.fresh = True
         self.actors = [FakeActor(self, r) for r in range(world)]
 
     def gather(self, refs, deadline, what, suspect_s=None):

@@ -6,7 +6,7 @@ import pytest
 
 from raympi.driver.config import parse_config
 from raympi.driver.pipeline import ChunkPlan
-from raympi.driver.policy import Capacity, Cold, Failure, FailureKind, Grow, Raise, Warm, decide
+from raympi.driver.policy import Capacity, Cold, Failure, FailureKind, Grow, PaceWatch, Raise, Warm, decide
 from raympi.driver.run_state import Checkpoint, RunState
 from raympi.exceptions import PreemptedError, RestartsExhaustedError, TrainingError
 
@@ -34,6 +34,8 @@ TABLE = [
      RunState(warm_possible=False), _cfg(), Capacity(3, 3), Cold()),
     ("worker preempted (SIGTERM)", Failure(K.PREEMPTED, "sigterm", ranks=(1,)), RUN, _cfg(), Capacity(3, 3), Cold(planned=True)),
     ("capacity back", Failure(K.CAPACITY_BACK, "room"), RUN, _cfg(), Capacity(2, 3), Cold(planned=True)),
+    ("degraded after a warm restart", Failure(K.DEGRADED, "15x slower"), RunState(failures=3), _cfg(max_restarts=3),
+     Capacity(2, 2), Cold(planned=True)),
     ("replacement ready", Failure(K.REPLACEMENT_READY, "ready"), RUN, _cfg(), Capacity(2, 3), Grow()),
     ("planned stops do not spend the budget", Failure(K.CAPACITY_BACK, "room"), RunState(failures=3), _cfg(max_restarts=3),
      Capacity(2, 3), Cold(planned=True)),
@@ -98,3 +100,15 @@ def test_chunk_size_aims_at_half_a_second_and_never_crosses_a_boundary(count, se
     plan = ChunkPlan(total=1000, steps_per_epoch=20, checkpoint_every=0)
     # at step 8 the next boundary is the epoch end at 20: 12 steps at most
     assert plan.next_size(8, count, seconds) == expected
+
+
+def test_pace_watch_reports_a_group_left_far_slower_by_a_warm_restart():
+    watch = PaceWatch(factor=5.0, chunks=3, watch=6)
+    assert [watch.observe(r) for r in (1000.0, 1000.0, 1000.0)] == [None] * 3  # learning the pace
+    watch.restarted()
+    # one slow chunk (the first after a restart is a single step) is not enough; three in a row are
+    assert [watch.observe(r) for r in (100.0, 900.0, 100.0, 100.0)] == [None] * 4
+    assert watch.observe(50.0) == pytest.approx(1000.0 / 50.0)
+    assert watch.observe(50.0) is None  # reported once; then it learns the new pace again
+    watch.restarted()
+    assert [watch.observe(r) for r in (900.0, 800.0, 950.0, 900.0, 1000.0, 900.0, 10.0, 10.0, 10.0)][-3:] == [None] * 3  # watch over

@@ -23,7 +23,7 @@ from raympi.driver.capacity import cluster_capacity, worker_bundle
 from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
 from raympi.driver.callbacks import Dispatcher
-from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, Raise, Warm, decide
+from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, PaceWatch, Raise, Warm, decide
 from raympi.driver.report import Progress, write_jsonl, write_plot
 from raympi.driver.run_state import Checkpoint, Phase, RunState
 from raympi.exceptions import FormationError
@@ -63,6 +63,7 @@ class Controller:
         self._detected = 0.0
         self._last_progress = self._reformed_at = time.monotonic()  # the last chunk completed; the last re-formation
         self._recovered_at: float | None = None  # when the newest restart record's failure was noticed
+        self.pace = PaceWatch()  # a group left far slower by a warm restart is replaced
 
     # -- the state machine ------------------------------------------------------------------------
 
@@ -170,6 +171,7 @@ class Controller:
             try:
                 self.run = recovery.warm(self.group, decision, failure, self.run, self.cfg, self.plan.steps_per_epoch)
                 self._recovered_at = detected
+                self.pace.restarted()
                 return None
             except recovery.WarmSkipped as why:
                 skipped = why
@@ -208,6 +210,10 @@ class Controller:
             return Failure(FailureKind.EARLY_STOP, f"stopped by a callback after step {chunk.last}", phase=Phase.DRAINING.value)
         if self.group.pending_ready() and chunk.last < self.plan.total:
             return Failure(FailureKind.REPLACEMENT_READY, "replacement ready", phase=Phase.DRAINING.value)
+        slower = self.pace.observe(records[-1]["samples_per_s"])
+        if slower and chunk.last < self.plan.total:
+            return Failure(FailureKind.DEGRADED, f"steps ran {slower:.0f}x slower after the warm restart than before it",
+                           phase=Phase.DRAINING.value)
         return None
 
     def draining(self, stop: Failure) -> None:

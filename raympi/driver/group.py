@@ -60,6 +60,7 @@ class WorkerGroup:
         self.pending: list[tuple[Any, Any, Any]] = []  # replacements still starting: (actor, bundle, ready ref)
         self.spares: list[tuple[Any, Any, Any]] = []  # hot spares: (actor, bundle or None, ready ref)
         self.spares_used = 0
+        self.fresh = True  # no step run yet by a set of processes that all just started (a warm group is not)
         deadline = Deadline(cfg.startup_timeout_s, "startup_timeout_s")
         self.bundle = worker_bundle(cfg, spec.device == "cuda")
         try:
@@ -178,6 +179,7 @@ class WorkerGroup:
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
         self.gather([a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group")
+        self.fresh = False
 
     def _place(self, deadline: Deadline) -> None:
         bundle = self.bundle

@@ -139,11 +139,13 @@ class Pipeline:
             if not inflight:  # stopped before anything was sent (the SIGTERM came while starting)
                 return self._stopped(group, stop, next_step, hooks)
             chunk = inflight.popleft()
-            # The first step of a new group also warms up autograd and MPI's connections: startup time.
-            field = "startup_timeout_s" if chunk.first == start else "step_timeout_s"
+            # The first step of a new group also warms up autograd and MPI's connections: startup time
+            # (not after a warm restart: survivors and spares have run their first steps already).
+            first = chunk.first == start and group.fresh
+            field = "startup_timeout_s" if first else "step_timeout_s"
             deadline = Deadline(getattr(cfg, field), field, start=max(last_done, time.monotonic()))
             # A rank stopped or cut off is found by a ping long before step_timeout_s, which stays the hard limit.
-            suspect = {} if chunk.first == start else {"suspect_s": SUSPECT_S}
+            suspect = {} if first else {"suspect_s": SUSPECT_S}
             try:
                 results = group.gather(chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}", **suspect)
             except Failed as failed:

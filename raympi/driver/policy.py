@@ -17,7 +17,7 @@ from raympi.exceptions import (
     FormationError, PreemptedError, RaympiError, RestartsExhaustedError, StepTimeoutError, WorkerLostError,
 )
 
-__all__ = ["Capacity", "Cold", "Decision", "Failure", "FailureKind", "Finish", "Grow", "Raise", "Warm", "decide"]
+__all__ = ["Capacity", "Cold", "Decision", "Failure", "FailureKind", "Finish", "Grow", "PaceWatch", "Raise", "Warm", "decide"]
 
 
 class FailureKind(str, enum.Enum):
@@ -33,11 +33,13 @@ class FailureKind(str, enum.Enum):
     CAPACITY_BACK = "capacity_back"  # checkpoint taken, the cluster has room for a larger group
     REPLACEMENT_READY = "replacement_ready"  # a replacement started earlier can join now
     EARLY_STOP = "early_stop"  # a callback asked to stop: checkpoint taken, finish normally
+    DEGRADED = "degraded"  # far slower after a warm restart (MPI left sick): checkpoint taken, a fresh group
 
     @property
     def planned(self) -> bool:
         """Stops that take a checkpoint of the step reached before anything else happens."""
-        return self in (FailureKind.PREEMPTED, FailureKind.DRIVER_SIGTERM, FailureKind.CAPACITY_BACK, FailureKind.EARLY_STOP)
+        return self in (FailureKind.PREEMPTED, FailureKind.DRIVER_SIGTERM, FailureKind.CAPACITY_BACK, FailureKind.EARLY_STOP,
+                        FailureKind.DEGRADED)
 
     @property
     def counted(self) -> bool:
@@ -81,6 +83,37 @@ class Failed(Exception):
     def __init__(self, failure: Failure) -> None:
         super().__init__(failure.cause)
         self.failure = failure
+
+
+class PaceWatch:
+    """Notices a group that runs far slower after a warm restart than before it.
+
+    A survivor's MPI library can be left sick by a peer that died mid-collective (seen here: MPICH
+    over UCX after a node loss, every step ~15x slower).  Fed each chunk's samples/s, it learns the
+    pace (a moving average) while no restart is being watched, and for ``watch`` chunks after a warm
+    restart reports the slowdown once ``chunks`` chunks in a row ran ``factor`` times slower.
+    """
+
+    def __init__(self, factor: float = 5.0, chunks: int = 3, watch: int = 12) -> None:
+        self.factor, self.chunks, self.watch = factor, chunks, watch
+        self.pace: float | None = None
+        self._left = self._slow = 0
+
+    def restarted(self) -> None:
+        """A warm restart happened: watch the chunks that follow."""
+        self._left, self._slow = self.watch, 0
+
+    def observe(self, rate: float) -> float | None:
+        """Take one chunk's samples/s; returns how many times slower the group is when it is degraded."""
+        if not self._left:
+            self.pace = rate if self.pace is None else 0.8 * self.pace + 0.2 * rate
+            return None
+        self._left -= 1
+        self._slow = self._slow + 1 if self.pace and rate * self.factor < self.pace else 0
+        if self._slow < self.chunks:
+            return None
+        self._left = 0
+        return self.pace / max(rate, 1e-9)
 
 
 @dataclasses.dataclass(frozen=True)
