@@ -26,11 +26,13 @@ class Phase(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """The newest checkpoint on storage, and its state kept in driver memory for cold restarts."""
+    """The newest checkpoint on storage and what a cold restart starts from: its state in driver
+    memory, or (a large state rank 0 wrote itself) a ``StoredState`` naming the file and its checksum,
+    which the workers read from storage."""
 
     step: int
     path: str | None
-    state: dict[str, Any] | None
+    state: Any
 
 
 @dataclasses.dataclass(frozen=True)
