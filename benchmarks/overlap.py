@@ -7,7 +7,7 @@ backward hook, tested at each later hook) and ``overlap=True`` on the reduction 
 uses).  Median ms per step of rank 0 for the 5.8M MLP and the CNN of examples/mnist.py, with
 ``--threads`` torch threads per rank (default 2):
 
-    python benchmarks/overlap.py --step [--threads 2] [--bucket-mb 16] [--quick]
+    python benchmarks/overlap.py --step [--threads 2] [--bucket-mb 16] [--rounds 8] [--quick]
 
 Without ``--step``, the micro-benchmark that came first.  Two ranks (Ray actors, one MPI communicator, UCX).  "compute" stands for the rest of a backward pass: the
 MLP's first-layer weight gradient (32x2048 by 32x784), six times.  "allreduce" is the MLP's 16.8 MB
@@ -91,7 +91,8 @@ class Rank(comm.Member):
         fresh = TrainState.create(model, opt)
         states = {m: raympi.core.pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, fresh) for m in STEP_MODES}
         g = torch.Generator().manual_seed(self.comm.rank)
-        data = [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(4)]
+        shape = (3, 32, 32) if model_name.startswith("resnet") else (1, 28, 28)
+        data = [(torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(4)]
         times: dict[str, list[float]] = {m: [] for m in STEP_MODES}
         for r in range(rounds + 1):  # round 0 warms up
             order = STEP_MODES[r % 3:] + STEP_MODES[: r % 3]
@@ -114,16 +115,21 @@ def _models() -> dict:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     mlp = lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))  # noqa: E731
-    return {"mlp 784-2048-2048-10 (5.8M)": mlp, "cnn examples/mnist.py (108k)": example.Net}
+    def resnet18() -> nn.Module:
+        import torchvision
+        return torchvision.models.resnet18(num_classes=10)
+    return {"mlp 784-2048-2048-10 (5.8M)": mlp, "cnn examples/mnist.py (108k)": example.Net, "resnet18 3x32x32 (11.2M)": resnet18}
 
 
 def _step_table(ranks: list, args: argparse.Namespace) -> None:
-    steps, rounds = (3, 2) if args.quick else (5, 8)
-    print(f"\n2 ranks, UCX, {args.threads} torch thread(s) each, batch 32 per rank, bucket {args.bucket_mb} MiB, "
+    steps, rounds = (3, 2) if args.quick else (5, args.rounds)
+    print(f"\n2 ranks, UCX, {args.threads} torch thread(s) each, batch {args.batch} per rank, bucket {args.bucket_mb} MiB, "
           f"median ms/step of rank 0 ({rounds} rounds x {steps} steps, interleaved)")
     print(f"{'model':<30} | " + " | ".join(f"{m:>14}" for m in STEP_MODES) + " | inline/off | thread/off | max |param diff|")
     for name in _models():
-        res = ray.get([r.steps.remote(name, args.threads, int(args.bucket_mb * 2**20), 32, steps, rounds) for r in ranks])[0]
+        if args.models and not any(name.startswith(m) for m in args.models.split(",")):
+            continue
+        res = ray.get([r.steps.remote(name, args.threads, int(args.bucket_mb * 2**20), args.batch, steps, rounds) for r in ranks])[0]
         off = res["overlap=False"]
         print(f"{name:<30} | " + " | ".join(f"{res[m]:>14.2f}" for m in STEP_MODES)
               + f" | {res['overlap inline'] / off:>10.2f} | {res['overlap thread'] / off:>10.2f} | {res['max |param diff|']:.1e}",
@@ -137,6 +143,9 @@ def main() -> None:
     parser.add_argument("--step", action="store_true", help="time the real train_step with overlap off / inline / thread")
     parser.add_argument("--threads", type=int, default=2, help="--step: torch threads per rank")
     parser.add_argument("--bucket-mb", type=float, default=16, help="--step: bucket_bytes in MiB")
+    parser.add_argument("--rounds", type=int, default=8, help="--step: interleaved rounds of 5 steps per mode")
+    parser.add_argument("--batch", type=int, default=32, help="--step: samples per rank")
+    parser.add_argument("--models", default="", help="--step: comma-separated name prefixes (mlp, cnn, resnet18); default all")
     args = parser.parse_args()
     env = {"OMP_NUM_THREADS": "1", "MPIR_CVAR_CH4_NETMOD": "ucx"}
     if args.async_progress:
