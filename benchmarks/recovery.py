@@ -190,7 +190,7 @@ class _Injector:
 
 # Restart records of planned stops, not failures (their "kind" is a raympi.driver.policy.FailureKind value):
 # SIGTERM to a worker, capacity back (regroup), a replacement taken into a running group (grow).
-PLANNED_KINDS = ("preempted", "capacity_back", "replacement_ready")
+PLANNED_KINDS = ("preempted", "capacity_back", "replacement_ready", "degraded")
 # A lost worker or node: the actor's death, or the survivors' collective failing first.
 LOST_KINDS = ("worker_lost", "collective")
 
@@ -239,6 +239,9 @@ def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[s
     if failures[0].get("path", "cold") != expected:
         why = failures[0].get("warm_error") or failures[0].get("warm_skipped")
         notes.append(f"path {failures[0].get('path', 'cold')}, not {expected}" + (f" ({why[:120]})" if why else ""))
+    for r in result.restarts:
+        if r["kind"] == "degraded":  # the warm group ran far slower: replaced (checkpoint, fresh group)
+            notes.append(f"then {r['cause']}: a fresh group from step {r['restored_step']} took {r.get('recovery_s') or 0:.1f} s more")
     note = "; ".join(notes)
     record = failures[0]
     after = [m for m in result.metrics if m["time"] > injected and m["step"] > record["restored_step"]]
