@@ -47,3 +47,12 @@ def test_data_order_and_uneven_split():
     assert steps_per_epoch(130, 64) == 2
     with pytest.raises(ConfigError, match="fewer than batch_size=64"):
         steps_per_epoch(10, 64)
+
+
+def test_a_worker_holds_one_gpu_unless_a_share_is_named():
+    from raympi.driver.capacity import worker_bundle
+
+    assert worker_bundle(parse_config(workers=2), use_gpu=True) == {"CPU": 1.0, "GPU": 1.0}
+    shared = parse_config(workers=2, resources_per_worker={"CPU": 1.0, "GPU": 0.5})
+    assert worker_bundle(shared, use_gpu=True) == {"CPU": 1.0, "GPU": 0.5}  # two workers on one GPU
+    assert worker_bundle(parse_config(workers=2), use_gpu=False) == {"CPU": 1.0}

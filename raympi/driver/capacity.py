@@ -13,10 +13,11 @@ __all__ = ["cluster_capacity", "spans_hosts", "worker_bundle"]
 
 
 def worker_bundle(cfg: FitConfig, use_gpu: bool) -> dict[str, float]:
-    """The resources one worker holds."""
+    """The resources one worker holds: with GPUs, one GPU unless ``resources_per_worker`` names a
+    share (``{"GPU": 0.5}``: two workers on one GPU)."""
     bundle = dict(cfg.resources_per_worker)
     if use_gpu:
-        bundle["GPU"] = max(1.0, bundle.get("GPU", 0.0))
+        bundle["GPU"] = bundle.get("GPU") or 1.0
     return bundle
 
 
