@@ -50,6 +50,7 @@ benchmarks/out/recovery.csv has every run, recovery_summary.csv the table
 Run:
     python benchmarks/recovery.py              # 3 runs of each of 6 scenarios: about 12-15 minutes on 2 cores
     python benchmarks/recovery.py --runs 5
+    python benchmarks/recovery.py --runs 7 --only "killed worker (warm)"
     python benchmarks/recovery.py --quick      # 1 run, raympi killed worker (default path) only, small data (tests)
 """
 
@@ -486,6 +487,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each scenario (median/min/max over them)")
     parser.add_argument("--quick", action="store_true", help="1 run, raympi killed worker (default path) only, small data")
+    parser.add_argument("--only", default="", help="run only the scenarios whose name contains this text, e.g. 'killed worker (warm)'")
     args = parser.parse_args(argv)
     runs = 1 if args.quick else max(1, args.runs)
     n, raympi_steps, raytrain_steps = (2048, 200, 0) if args.quick else (8192, 600, 120)
@@ -506,6 +508,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             scenarios.append((RAYTRAIN_KILL, lambda: raytrain_killed_worker(n, raytrain_steps)))
         except ImportError as exc:
             raytrain_note = f"Ray Train not measured: {exc}"
+
+    if args.only:
+        scenarios = [(name, run) for name, run in scenarios if args.only in name]
+        if not scenarios:
+            parser.error(f"no scenario name contains {args.only!r}")
 
     import ray
 
@@ -584,7 +591,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{name}: {len(errors[name])} run(s) failed, run(s) {excluded or '-'} excluded (more than the one injected failure)")
 
     OUT.mkdir(parents=True, exist_ok=True)
-    stem = "recovery_quick" if args.quick else "recovery"  # the tests' quick runs leave the full results alone
+    stem = "recovery_quick" if args.quick else ("recovery_only" if args.only else "recovery")  # a partial run leaves the full results alone
     fields = ["scenario", "run", "recovery_s", "reported_recovery_s", "detect_s", "reform_s", "first_step_s", "spare", "steps_lost",
               "restored_step", "kind", "path", "world_before", "world_after", "restarts", "excluded", "note"]
     with open(OUT / f"{stem}.csv", "w", newline="") as f:
