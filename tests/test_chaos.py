@@ -17,7 +17,7 @@ def _chaos():
 
 
 def test_four_faults_recovered_on_the_fault_free_trajectory(tmp_path):
-    figures = _chaos().run(workers=3, steps=700, faults=4, every_s=6.0, seed=1, out=tmp_path)
+    figures = _chaos().run(workers=3, steps=1000, faults=4, every_s=5.0, seed=1, out=tmp_path)
     assert figures["_injected"] == 4, figures
     assert figures["restart records"] >= 2, figures  # a fault that hits the hot spare needs no restart
     assert figures["_contiguous"], figures["_records"]

@@ -1,9 +1,5 @@
-"""The worker group: placing N worker actors, joining them into one communicator, tearing them down.
-
-Every wait has a deadline (``startup_timeout_s``, ``step_timeout_s``) and a
-failure kills the whole group: an MPI communicator cannot lose a member, so a
-group that failed is never reused.
-"""
+"""The worker group: placing worker actors and hot spares, joining them into one communicator,
+re-forming it around survivors (warm restarts), tearing it down; every wait has a deadline."""
 
 from __future__ import annotations
 
@@ -172,8 +168,7 @@ class WorkerGroup:
         self.actors = [self.actors[r] for r in keep] + [a for a, _, _ in ready]
         self.bundles = [self.bundles[r] for r in keep] + [b for _, b, _ in ready]
         self.world = len(self.actors)
-        # Re-forming hangs now and then after a peer died mid-collective (MPICH over UCX, about 1 in 10-30):
-        # give it a few times the first formation's duration, not the whole restart deadline.
+        # Re-forming hangs now and then after a peer died mid-collective (MPICH over UCX, 1 in 10-30): a short deadline.
         members = comm.form(self.actors, timeout_s=max(1.0, min(deadline.remaining(), max(REFORM_MIN_S, 4 * self.form_s))),
                             bucket_bytes=self.cfg.bucket_bytes, compression=self.cfg.compression)
         self.hosts = [host for _, _, host in members]
@@ -181,9 +176,8 @@ class WorkerGroup:
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
         self.gather([a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group")
         self.fresh = False
-        # New spares start only now: a process importing torch would take the cores re-forming needs
-        # (measured: a warm restart 0.3-0.5 s slower on 2 cores).  And only where live nodes have room:
-        # a spare waiting for the bundle of a lost node kept Ray's GCS and dashboard agent busy-looping.
+        # New spares start only now (one importing torch took the cores re-forming needs: +0.3 s on
+        # 2 cores), and only where live nodes have room (never waiting on a lost node's bundle).
         for bundle_index in self.refill:
             if cluster_capacity(self.bundle) > self.world + len(self.spares):
                 self._start_spare(bundle_index)

@@ -103,7 +103,8 @@ class Pipeline:
         for s in range(first, first + count):
             epoch = s // self.plan.steps_per_epoch
             for rank, part in enumerate(self.sampler.shards(s, world)):
-                shards[rank].append((epoch, part))
+                # As numpy: a tensor pickles through torch.save, 4x the driver's CPU (scale.py part b)
+                shards[rank].append((epoch, part.numpy() if isinstance(part, torch.Tensor) else part))
         last = first + count
         chunk = Chunk(first, last, [a.run.remote(shards[r], self.cfg.batch_size) for r, a in enumerate(group.actors)])
         if self.plan.wants_eval(last):

@@ -41,7 +41,7 @@ class ArraySource:
     def next(self) -> Any:
         return self.read(self.queue.popleft())
 
-    def read(self, index: torch.Tensor, epoch: int = -1) -> Any:
+    def read(self, index: Any, epoch: int = -1) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
         return pytree.map(lambda t: t[index], self.data)
 
     def drop(self) -> None:
@@ -64,7 +64,7 @@ class DatasetSource:
     def next(self) -> Any:
         return self.loader.next()
 
-    def read(self, index: torch.Tensor, epoch: int = -1) -> Any:
+    def read(self, index: Any, epoch: int = -1) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
         """Read in this thread (evaluation: no augmentation is expected, but it is seeded all the same)."""
         return read_batch(self.dataset, self.seed, epoch, index.tolist())
 
@@ -104,7 +104,7 @@ class StreamSource:
         self.at = (epoch, position + 1)
         return batch[self.columns[0]], batch[self.columns[1]]
 
-    def read(self, index: torch.Tensor, epoch: int = -1) -> Any:
+    def read(self, index: Any, epoch: int = -1) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
         raise TrainingError("a Ray Dataset cannot be read by index")
 
     def drop(self) -> None:
