@@ -244,7 +244,7 @@ def _run_subprocess(cmd: list[str], spec: dict[str, Any], timeout_s: float) -> d
         raise RuntimeError(f"exit {proc.returncode}: {output[-1500:]}")
     res = json.loads(Path(spec["result"]).read_text())
     return {"ms_per_step": res["ms_per_step"], "launch_s": res["first_step_wall"] - launch, "params": spec["params"],
-            "raw_allreduce_ms": res.get("raw_allreduce_ms")}
+            **{k: v for k, v in res.items() if k.startswith("raw_allreduce_")}}
 
 
 def run_torchrun(spec: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -582,7 +582,8 @@ def _print_targets(summary, rows, models, workers) -> None:
                     ratio = mine / med[(m, w, other)]
                     parts.append(f"{ratio:.2f}x {other}{judged(other, ratio)}")
             for source in ("raw-allreduce", "mpiexec-template"):
-                raw = [r for r in rows if r["model"] == m and r["workers"] == w and r["contender"] == source and r["raw_allreduce_ms"]]
+                raw = [r for r in rows if r["model"] == m and r["workers"] == w and r["contender"] == source
+                       and r["raw_allreduce_ms"] and r["raw_allreduce_p10_ms"] is not None]
                 if raw and med.get((m, w, "floor")):
                     ms = statistics.median(r["raw_allreduce_ms"] for r in raw)
                     spread = f"p10-p90 {min(r['raw_allreduce_p10_ms'] for r in raw):.2f}-{max(r['raw_allreduce_p90_ms'] for r in raw):.2f}"
