@@ -97,7 +97,12 @@ class Chaos:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        if self.stop.wait(self.every_s / 2):  # let the run start
+        # Faults hit training: the schedule starts once the first checkpoint is written (a fault while
+        # the workers start is a startup failure, another story), then half a period later.
+        while not any(p.name.startswith("step-") for p in self.folder.iterdir()):
+            if self.stop.wait(0.05):
+                return
+        if self.stop.wait(self.every_s / 2):
             return
         for fault in self.schedule:
             getattr(self, "_" + fault)()
@@ -130,12 +135,27 @@ class Chaos:
 
     def _node(self) -> None:
         import ray
+        from ray._private import ray_constants
 
         busy = {w.node_id for w in self.cluster.worker_nodes}
         alive = [n for n in self.cluster.worker_nodes if n.node_id in busy]
         if len(alive) <= 1:
             return
-        self.cluster.remove_node(self.rng.choice(alive))
+        node = self.rng.choice(alive)
+        # A lost machine takes every process on it: Cluster.remove_node stops the node's Ray processes,
+        # and a worker of it was seen outliving its raylet here (simulated nodes share one host).
+        on_node = []
+        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            try:
+                on_node += psutil.Process(info.process.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+        self.cluster.remove_node(node)
+        for proc in on_node:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
         # Cluster.add_node installs a SIGTERM handler (main thread only): not from this thread.
         with mock.patch("ray._private.utils.set_sigterm_handler", lambda handler: None):
             self.added.append(self.cluster.add_node(num_cpus=1))
@@ -165,17 +185,23 @@ def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 
         folder.mkdir(parents=True, exist_ok=True)
         chaos = Chaos(cluster, folder, faults, every_s, seed)
         chaos.thread.start()
-        start = time.monotonic()
+        start, start_wall = time.monotonic(), time.time()
         try:
             result = raympi.fit(_net(), _data(), checkpoint_dir=str(folder), **options)
         finally:
             chaos.stop.set()
             chaos.thread.join()
         chaos_s = time.monotonic() - start
-        deadline = time.monotonic() + 30  # killed actors take a moment to go
+        deadline = time.monotonic() + 60  # killed actors take a moment to go (a stopped one ~5 s)
         while [p for p in worker_processes() if p.pid not in others] and time.monotonic() < deadline:
             time.sleep(0.25)
         left = [p for p in worker_processes() if p.pid not in others]
+        left_detail = []
+        for p in left:
+            try:
+                left_detail.append(f"pid {p.pid} {p.status()} {' '.join(p.cmdline())[:60]} age {time.time() - p.create_time():.0f} s")
+            except psutil.Error:
+                pass
         for p in left:  # a SIGSTOPped process that escaped would hold the run's resources
             p.kill()
     finally:
@@ -193,7 +219,7 @@ def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 
         "throughput vs fault-free": f"{clean_s / chaos_s:.2f} ({steps / chaos_s:.1f} vs {steps / clean_s:.1f} steps/s)",
         "max |param - fault-free param|": f"{diff:.2e}",
         "median recovery_s": f"{sorted(r.get('recovery_s', float('nan')) for r in result.restarts)[len(result.restarts) // 2] if result.restarts else float('nan'):.2f}",
-        "worker processes left": len(left),
+        "worker processes left": len(left), "left": left_detail, "injected at": [round(t - start_wall, 1) for t, _ in chaos.injected],
         "_diff": diff, "_left": len(left), "_ratio": clean_s / chaos_s, "_contiguous": [r["step"] for r in result.metrics] == list(range(1, steps + 1)),
         "_injected": len(chaos.injected),
         "_records": [{k: r.get(k) for k in ("kind", "path", "step", "restored_step", "steps_lost", "warm_skipped", "spare", "world_after")}
