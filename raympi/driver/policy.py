@@ -191,17 +191,18 @@ def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decis
         return Grow()
     if kind is FailureKind.EARLY_STOP:
         return Finish()
-    if kind.planned:  # PREEMPTED, CAPACITY_BACK (DRIVER_SIGTERM was handled above)
+    failed = tuple(sorted(set(failure.ranks)))
+    survivors = tuple(r for r in range(capacity.world) if r not in failed)
+    room = max(0, capacity.cluster - len(survivors))  # where replacements could start
+    warm = (run.warm_possible and bool(failed) and bool(survivors) and kind is not FailureKind.FORMATION
+            and len(survivors) + min(room, len(failed)) >= config.min_workers)
+    if kind is FailureKind.PREEMPTED and warm:  # the preempted rank is replaced, its peers keep their state
+        return Warm(survivors=survivors, failed=failed)
+    if kind.planned:  # PREEMPTED without survivors, CAPACITY_BACK, DEGRADED (DRIVER_SIGTERM was handled above)
         return Cold(planned=True)
     if run.failures >= config.max_restarts:
         newest = run.newest.path if run.newest else None
         return Raise(RestartsExhaustedError(
             f"training failed {run.failures + 1} times, more than max_restarts={config.max_restarts}; last failure: "
             f"{failure.cause}. The newest checkpoint is {newest}: fit(..., resume=True) continues from it"))
-    failed = tuple(sorted(set(failure.ranks)))
-    survivors = tuple(r for r in range(capacity.world) if r not in failed)
-    room = max(0, capacity.cluster - len(survivors))  # where replacements could start
-    if (run.warm_possible and failed and survivors and kind is not FailureKind.FORMATION
-            and len(survivors) + min(room, len(failed)) >= config.min_workers):
-        return Warm(survivors=survivors, failed=failed)
-    return Cold()
+    return Warm(survivors=survivors, failed=failed) if warm else Cold()
