@@ -47,13 +47,6 @@ LIGHT_BOOT = (
     "            raise ImportError('No module named torch (blocked: a light member)')\n"
     "sys.meta_path.insert(0, _NoTorch())\n"
 )
-# (b)'s workers receive the driver's real messages, whose sample indices are torch tensors; unpickling
-# them needs only these two functions, stubbed (no worker of (b) reads its indices).
-STUB_TORCH = {
-    "torch/__init__.py": '"""A stub: just enough to unpickle tensors into None (benchmarks/scale.py part b)."""\n',
-    "torch/storage.py": "def _load_from_bytes(b):\n    return None\n",
-    "torch/_utils.py": "def _rebuild_tensor_v2(*args, **kwargs):\n    return None\n",
-}
 BATCH = 1024  # global batch of (b): 8 samples a rank at W = 128
 
 
@@ -195,7 +188,7 @@ def part_a(sizes: list[int], sizes_16mb: set[int], reps: int) -> list[dict[str, 
 
 
 def part_b(worlds: list[int], chunks: list[int], steps: int) -> list[dict[str, Any]]:
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": _boot_dir(STUB_TORCH)}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": _boot_dir({"sitecustomize.py": LIGHT_BOOT})}  # indices come as numpy
     rows = []
     for w in worlds:
         actors = [Echo.options(runtime_env={"env_vars": env}).remote() for _ in range(w)]
