@@ -246,6 +246,35 @@ def test_a_hot_spare_takes_a_killed_workers_place(cluster, uninterrupted, tmp_pa
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
 
 
+def test_a_worker_outliving_its_raylet_exits(cluster, uninterrupted, tmp_path):
+    """The raylet of the hot spare's node killed (a crash, the OOM killer, or a node removed while the
+    spare started: seen in the chaos soak): Ray leaves the spare's process idling, and no ray.kill
+    reaches it any more (its node is dead to Ray). raympi's workers exit with their raylet."""
+    folder = tmp_path / "ck"
+    outlived, nodes = [], []
+
+    def kill_the_spares_raylet():
+        spare = sorted(_workers(), key=lambda p: p.create_time())[-1]  # started after the ranks' setup
+        raylet = spare.parent()
+        nodes.extend(n for n in cluster.workers if n.all_processes["raylet"][0].process.pid == raylet.pid)
+        raylet.kill()
+        try:  # while training goes on (nobody kills the spare meanwhile)
+            spare.wait(timeout=3)
+            outlived.append(False)
+        except psutil.TimeoutExpired:
+            outlived.append(True)
+
+    _when_checkpoint(folder, 100, kill_the_spares_raylet)
+    try:
+        result = raympi.fit(_net(), _data(), workers=2, checkpoint_dir=str(folder), **OPTIONS)
+    finally:
+        for node in nodes:
+            cluster.workers.remove(node)
+            cluster.remove_node(node, allow_graceful=False)
+    assert nodes and outlived == [False], "the spare outlived its raylet by 3 s"
+    assert result.restarts == [] and _max_diff(result.state, uninterrupted.state) < 1e-4, result.restarts
+
+
 def test_user_exception_fails_fast_without_restart(cluster, tmp_path):
     class Picky(nn.Module):
         def __init__(self):

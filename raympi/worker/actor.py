@@ -12,6 +12,8 @@ import dataclasses
 import os
 import signal
 import socket
+import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -103,6 +105,7 @@ class Worker(comm.Member):
         # and re-form the group without this rank (it kills us then).
         self.sigterm = False
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "sigterm", True))
+        _exit_with_parent()
 
     def __repr__(self) -> str:  # Ray tags this actor's printed lines with it
         return f"rank {getattr(self, 'rank', '?')} on {getattr(self, 'host', '?')}"
@@ -240,6 +243,22 @@ class Worker(comm.Member):
         On CPU they are the live ones; Ray serializes the return value before the next step runs.
         """
         return pytree.to_arrays(_tree_to(self.state, torch.device("cpu")).to_dict())
+
+
+def _exit_with_parent(period_s: float = 0.5) -> None:
+    """Exit once the process that started this one (Ray's raylet) is gone.
+
+    Ray's own worker outlives a raylet that was killed (measured: still there after minutes), and
+    then no ``ray.kill`` reaches it, since its node is dead to Ray: an orphan holding memory, or a GPU.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="raympi-exit-with-parent", daemon=True).start()
 
 
 def _source(data: Any, kind: str, spec: WorkerSpec, loader_workers: int | None = None) -> Any:
