@@ -1,4 +1,4 @@
-"""A short chaos run (about a minute and a half, `pytest -m slow`): four faults of different kinds against
+"""A short chaos run (about a minute and a half, in the default suite): four faults of different kinds against
 one fit on a multi-node cluster, at fit's default settings (the five-minute soak is benchmarks/chaos.py)."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ def _chaos():
     return module
 
 
-@pytest.mark.slow  # ~1.5 min, and it left one idle worker process behind in 3 of 6 runs (open: see the benchmarks README)
 def test_four_faults_recovered_on_the_fault_free_trajectory(tmp_path):
     figures = _chaos().run(workers=3, steps=1000, faults=4, every_s=5.0, seed=1, out=tmp_path)
     assert figures["_injected"] == 4, figures
