@@ -383,6 +383,28 @@ def test_eval_step_sums_and_eval_mode():
     assert model.training  # the mode is restored
 
 
+def test_step_trains_in_train_mode_and_gives_each_module_its_own_mode_back():
+    """An eval-mode model trains in train mode and is left in eval; a BatchNorm frozen in eval inside a
+    training model (a common fine-tuning setup) is in eval again after a train or eval step, not in train."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    seen: list[bool] = []
+    model[1].register_forward_hook(lambda m, i, o: seen.append(m.training))
+    opt = optim.sgd(0.1)
+    step = make_train_step(model, F.cross_entropy, opt)
+    model.eval()
+    state, _ = step(TrainState.create(model, opt), _batch(0))
+    assert seen == [True] and not any(m.training for m in model.modules())
+    model.train()
+    model[1].eval()
+    step(state, _batch(1))
+    assert seen == [True, True]
+    assert [m.training for m in model.modules()] == [True, True, False, True, True]
+    make_eval_step(model, {"loss": F.cross_entropy})(state, _batch(2))  # evaluates in eval mode, gives modes back too
+    assert seen == [True, True, False]
+    assert [m.training for m in model.modules()] == [True, True, False, True, True]
+
+
 # --------------------------------------------------------------------------- clear errors
 
 

@@ -16,6 +16,7 @@ from torch.func import functional_call
 
 from raympi.core.batch import Batch, _split_batch
 from raympi.core.metrics import MetricFn, Metrics, _check_names, _means_to_sums
+from raympi.core.mode import in_mode
 from raympi.core.state import TrainState
 
 __all__ = ["make_eval_step"]
@@ -48,17 +49,13 @@ def make_eval_step(model: nn.Module, metric_fns: dict[str, MetricFn]) -> Callabl
         >>> acc = sum(s["accuracy"] for s in sums) / sum(s["samples"] for s in sums)
     """
     names = _check_names(metric_fns, ("samples",), "metric_fns")
+    modules = list(model.modules())
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
         args, kwargs, targets, n = _split_batch(batch)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                outputs = functional_call(model, (state.params, state.buffers), args, kwargs)
-                sums = _means_to_sums(outputs, targets, n, metric_fns, names)
-        finally:
-            model.train(was_training)
+        with in_mode(model, modules, False), torch.no_grad():
+            outputs = functional_call(model, (state.params, state.buffers), args, kwargs)
+            sums = _means_to_sums(outputs, targets, n, metric_fns, names)
         out: Metrics = dict(zip(names, sums))
         out["samples"] = n
         return out

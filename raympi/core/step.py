@@ -34,6 +34,7 @@ from raympi.core import accumulate as _accumulate, overlap as _overlap, precisio
 from raympi.core.batch import Batch, _split_batch
 from raympi.core.evaluate import make_eval_step
 from raympi.core.metrics import RESERVED, MetricFn, Metrics, _check_names, _read, _row
+from raympi.core.mode import in_mode
 from raympi.core.optim import GradientTransformation, apply_gradients
 from raympi.core.precision import LossScaling, Precision
 from raympi.core.rng import _seed_generators, _step_seed
@@ -185,6 +186,7 @@ def make_train_step(
     trainable = set(_trainable(model))
     # Only real buffers can be written by the forward pass (frozen params cannot).
     mutable = {n for n, _ in model.named_buffers()}
+    modules = list(model.modules())
     overlapped = overlap and grad_sync is not None
     if overlapped and not isinstance(grad_sync, _overlap.BucketSync):
         raise ConfigError("overlap=True needs a grad_sync with bucket_bytes, start, finish and abandon "
@@ -232,29 +234,24 @@ def make_train_step(
         buffers = {k: (v.clone() if k in mutable else v) for k, v in state.buffers.items()}
         device = next(iter(state.params.values())).device
         cuda = sorted({t.device.index or 0 for t in state.params.values() if t.device.type == "cuda"})
-        was_training = model.training
-        model.train()
-        try:
-            with torch.random.fork_rng(devices=cuda):
-                _seed_generators(_step_seed(seed, step, rank), cuda)
-                grads = stats = None
-                micros = _accumulate._micro_batches(args, kwargs, targets, n, accumulate)
-                for i, micro in enumerate(micros):
-                    factor = micro[3] / global_n * scale
-                    if overlapped and i == len(micros) - 1:  # the last backward sums its buckets as it goes
-                        with _overlap.Buckets(state.params, grad_sync, grads, bool(scaler)) as buckets:
-                            g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type, buckets.watch)
-                            grads, stats = buckets.finish(g, row if stats is None else stats + row)
-                        break
-                    g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type)
-                    if grads is None:
-                        grads, stats = g, row
-                    else:
-                        torch._foreach_add_(list(grads.values()), list(g.values()))
-                        stats = stats + row
-                    del g  # free this micro-batch's gradients before the next one's are made
-        finally:
-            model.train(was_training)
+        with in_mode(model, modules, True), torch.random.fork_rng(devices=cuda):
+            _seed_generators(_step_seed(seed, step, rank), cuda)
+            grads = stats = None
+            micros = _accumulate._micro_batches(args, kwargs, targets, n, accumulate)
+            for i, micro in enumerate(micros):
+                factor = micro[3] / global_n * scale
+                if overlapped and i == len(micros) - 1:  # the last backward sums its buckets as it goes
+                    with _overlap.Buckets(state.params, grad_sync, grads, bool(scaler)) as buckets:
+                        g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type, buckets.watch)
+                        grads, stats = buckets.finish(g, row if stats is None else stats + row)
+                    break
+                g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type)
+                if grads is None:
+                    grads, stats = g, row
+                else:
+                    torch._foreach_add_(list(grads.values()), list(g.values()))
+                    stats = stats + row
+                del g  # free this micro-batch's gradients before the next one's are made
 
         if not overlapped:  # (overlapped, the buckets have summed both already)
             if scaler:  # every rank learns whether any rank overflowed: the flags add up
