@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,6 +71,8 @@ def test_compression_quick():
     assert errors["fp32"] < 1e-6 < errors["fp16"] < errors["bf16"] < 1e-2, errors
 
 
+# slow: ~55 s (Ray Train and torchrun start up); fit on augmented datasets is covered by tests/test_data.py
+@pytest.mark.slow
 def test_data_benchmark_quick():
     """benchmarks/data.py --quick: raympi on the augmented Dataset (both loader settings), the cheap transform,
     the in-memory tensors, torchrun + DDP and Ray Train each train and get a throughput."""
@@ -80,6 +84,8 @@ def test_data_benchmark_quick():
     assert (ROOT / "benchmarks" / "out" / "data_quick.csv").exists() and (ROOT / "benchmarks" / "out" / "data_quick.txt").exists()
 
 
+# slow: ~20 s; the driver's flat RSS on a lazy dataset is asserted by tests/test_data.py
+@pytest.mark.slow
 def test_driver_memory_quick():
     """benchmarks/driver_memory.py --quick: a lazy Dataset of two sizes, the driver's RSS growth and start time for each."""
     proc = _quick("driver_memory.py", 300)
