@@ -84,6 +84,18 @@ def test_data_benchmark_quick():
     assert (ROOT / "benchmarks" / "out" / "data_quick.csv").exists() and (ROOT / "benchmarks" / "out" / "data_quick.txt").exists()
 
 
+# slow: ~1 min (four worker processes start); that fit's workers get one arena is tests/test_fit.py's
+@pytest.mark.slow
+def test_malloc_arenas_quick():
+    """benchmarks/malloc_arenas.py --quick: both settings run a fresh pair of ranks and fill a table row each;
+    with one arena a step page-faults at most a little."""
+    proc = _quick("malloc_arenas.py", 300)
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r"^(glibc default|MALLOC_ARENA_MAX=1)\s+\|\s+0\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+([0-9.]+)$", proc.stdout, re.M)}
+    assert set(rows) == {"glibc default", "MALLOC_ARENA_MAX=1"}, proc.stdout
+    assert rows["MALLOC_ARENA_MAX=1"] < 50, proc.stdout
+
+
 # slow: ~20 s; the driver's flat RSS on a lazy dataset is asserted by tests/test_data.py
 @pytest.mark.slow
 def test_driver_memory_quick():

@@ -246,3 +246,14 @@ def test_regression_reports_no_accuracy(ray_session, tmp_path):
     last = result.metrics[-1]
     assert "eval_loss" in last and last["eval_loss"] < result.metrics[0]["loss"]
     assert not any("accuracy" in key for r in result.metrics for key in r), last
+
+
+def test_cpu_workers_run_with_one_malloc_arena(ray_session, tmp_path):
+    """The workers' step runs on a Ray thread, to which glibc's default gives an arena it shrinks on free
+    (thousands of page faults a step, benchmarks/malloc_arenas.py): workers start with MALLOC_ARENA_MAX=1,
+    read here by a metric evaluated on each worker."""
+    x, y = torch.randn(64, 3), torch.randn(64, 1)
+    arenas = {"arena_max": lambda out, t: torch.tensor(float(os.environ.get("MALLOC_ARENA_MAX", "-1")))}
+    result = raympi.fit(nn.Linear(3, 1), (x, y), workers=2, epochs=1, batch_size=32, loss_fn=nn.functional.mse_loss,
+                        metrics=arenas, checkpoint_dir=str(tmp_path / "ck"), progress=False)
+    assert [r["arena_max"] for r in result.metrics] == [1.0] * len(result.metrics) and result.metrics, result.metrics

@@ -73,9 +73,7 @@ class WorkerGroup:
                 # gradients page-fault tens of MB back in (measured: up to 28 ms a step on a 5.8M MLP).
                 env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 2**20))
                 env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**31 - 1))
-                # One arena: the step runs on a Ray thread, which glibc may give a secondary arena made of
-                # 64 MB mmapped heaps that it shrinks on free: ~2,000 page faults a step on that MLP and an
-                # allreduce twice as slow, in some processes and not others (benchmarks/README.md, issue 15).
+                # One arena: the step's Ray thread got one glibc shrinks on free (benchmarks/malloc_arenas.py).
                 env.setdefault("MALLOC_ARENA_MAX", "1")
             self._env, self._spec_ref = env, ray.put(spec)
             announce(f"starting {world} worker(s) (each imports torch and unpickles the model and data)")
