@@ -56,6 +56,8 @@ def test_compare_quick():
                      proc.stdout, re.M), proc.stdout
 
 
+# slow: ~15 s; fit with checkpoints is covered throughout tests/test_fit.py and tests/test_checkpoint.py
+@pytest.mark.slow
 def test_fit_overhead_quick():
     """benchmarks/fit_overhead.py --quick: fit, fit with checkpoints and the driverless workers all step."""
     proc = _quick("fit_overhead.py", 240)
@@ -63,6 +65,8 @@ def test_fit_overhead_quick():
         assert re.search(rf"^cnn\s+\|\s+{mode}\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+", proc.stdout, re.M), proc.stdout
 
 
+# slow: ~11 s; compression on the wire through fit is tests/test_fit.py's bf16 test
+@pytest.mark.slow
 def test_compression_quick():
     """benchmarks/compression.py --quick: fp32, bf16 and fp16 on the wire over OFI/tcp, with their errors."""
     proc = _quick("compression.py", 180)
