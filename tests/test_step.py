@@ -383,9 +383,10 @@ def test_eval_step_sums_and_eval_mode():
     assert model.training  # the mode is restored
 
 
-def test_step_trains_in_train_mode_and_gives_each_module_its_own_mode_back():
-    """An eval-mode model trains in train mode and is left in eval; a BatchNorm frozen in eval inside a
-    training model (a common fine-tuning setup) is in eval again after a train or eval step, not in train."""
+def test_step_trains_in_train_mode_keeps_frozen_modules_and_gives_modes_back():
+    """An eval-mode model trains in train mode and is left in eval. A BatchNorm the user froze in eval
+    inside a training model (fine-tuning) stays frozen in the train step (its running statistics do
+    not move) and after it; an eval step evaluates every module in eval and gives the modes back."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
     seen: list[bool] = []
@@ -397,11 +398,12 @@ def test_step_trains_in_train_mode_and_gives_each_module_its_own_mode_back():
     assert seen == [True] and not any(m.training for m in model.modules())
     model.train()
     model[1].eval()
-    step(state, _batch(1))
-    assert seen == [True, True]
+    frozen, _ = step(state, _batch(1))
+    assert seen == [True, False]
+    torch.testing.assert_close(frozen.buffers["1.running_mean"], state.buffers["1.running_mean"], rtol=0, atol=0)
     assert [m.training for m in model.modules()] == [True, True, False, True, True]
-    make_eval_step(model, {"loss": F.cross_entropy})(state, _batch(2))  # evaluates in eval mode, gives modes back too
-    assert seen == [True, True, False]
+    make_eval_step(model, {"loss": F.cross_entropy})(state, _batch(2))
+    assert seen == [True, False, False]
     assert [m.training for m in model.modules()] == [True, True, False, True, True]
 
 

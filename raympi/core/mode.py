@@ -10,11 +10,15 @@ from torch import nn
 
 @contextlib.contextmanager
 def in_mode(model: nn.Module, modules: list[nn.Module], training: bool) -> Iterator[None]:
-    """``model.train(training)`` for the block, unless every module of ``modules`` (``list(model.modules())``)
-    is in that mode already (the walk costs 1-2 % of a small CNN's step); afterwards each module is back in
-    its own mode, so that a BatchNorm frozen in eval inside a training model stays frozen."""
+    """Run the block with ``model`` training or evaluating; ``modules`` is ``list(model.modules())``.
+
+    Training: ``model.train()`` only when the model itself is in eval mode, so that a module the
+    user set to eval inside a training model (a frozen BatchNorm, as in fine-tuning) stays frozen.
+    Evaluating: every module in eval.  Afterwards each module is back in its own mode.  (Nothing is
+    walked when nothing changes: ``model.train()`` costs 1-2 % of a small CNN's step.)
+    """
     modes = [m.training for m in modules]
-    switch = any(mode != training for mode in modes)
+    switch = not model.training if training else any(modes)
     if switch:
         model.train(training)
     try:

@@ -85,7 +85,9 @@ def make_train_step(
     """Build ``train_step(state, batch, global_batch_size=None) -> (new_state, metrics)``.
 
     The model is only a template: its own tensors are never read or written
-    (``functional_call`` substitutes the state's).  It runs in train mode.
+    (``functional_call`` substitutes the state's).  It runs in train mode: a model
+    in eval mode is switched for the step, while a module set to eval inside a
+    training model (a frozen BatchNorm) stays in eval; modes are restored after.
 
     ``batch`` is ``(inputs, targets)`` or ``{"inputs": ..., "targets": ...}``;
     ``inputs`` is a tensor (``model(inputs)``), a tuple (``model(*inputs)``)
