@@ -101,6 +101,9 @@ def five_steps(ray_session, tmp_path_factory):
     ({"seed": 7}, ["seed was 0, now 7"]),
     ({"dataset": (_data()[0][:200], _data()[1][:200])}, ["num_samples was 256, now 200"]),
     ({"model": nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))}, ["'0.weight' was of shape [16, 8], now [32, 8]"]),
+    ({"optimizer": raympi.optim.adam(1e-3)},
+     ['the optimizer state was {"count": []}, now {"count": [], "mu": "per parameter", "nu": "per parameter"}']),
+    ({"optimizer": raympi.optim.sgd(0.1, momentum=0.9)}, ['now {"count": [], "trace": "per parameter"}']),
 ])
 def test_resume_with_another_configuration_names_each_difference(five_steps, change, words):
     start = time.monotonic()
@@ -110,8 +113,8 @@ def test_resume_with_another_configuration_names_each_difference(five_steps, cha
     assert "new checkpoint_dir" in str(info.value) and time.monotonic() - start < 10
 
 
-def test_resume_with_the_same_configuration_continues(five_steps):
-    result = _fit(five_steps, resume=True, epochs=2)
+def test_resume_with_the_same_configuration_or_a_new_learning_rate_continues(five_steps):
+    result = _fit(five_steps, resume=True, epochs=2, optimizer=raympi.optim.sgd(0.05))
     assert [r["step"] for r in result.metrics] == list(range(1, 17))
 
 
@@ -165,3 +168,19 @@ def test_mixed_precision_through_fit_trains_like_fp32(ray_session, tmp_path, pre
     if precision == "fp16":
         assert mixed.metrics[0]["loss_scale"] == 2.0**16 and "skipped" in mixed.metrics[-1]
         assert mixed.state.loss_scale  # the scaler's state is checkpointed with the rest
+
+
+def test_optimizer_layout_folds_parameters_and_older_checkpoints_still_resume():
+    """The layout compared on resume: per-parameter dicts folded, built on the meta device; a wrapped
+    torch optimizer's lazily filled state is an empty dict at init (nothing to compare, no false alarm);
+    a checkpoint from before the layout was recorded is not refused for lacking it."""
+    from raympi.driver.fit import _differences, _optimizer_layout
+
+    model = nn.Linear(3, 2)
+    chained = raympi.optim.chain(raympi.optim.clip_by_global_norm(1.0), raympi.optim.adamw(1e-3))
+    assert _optimizer_layout(chained, model) == [{}, {"count": [], "mu": "per parameter", "nu": "per parameter"}]
+    assert _optimizer_layout(raympi.optim.from_torch(torch.optim.RMSprop, lr=0.1), model) == {"count": [], "state": {}}
+    now = {"batch_size": 8, "seed": 0, "num_samples": 64, "params": {"weight": [2, 3], "bias": [2]},
+           "optimizer_state": _optimizer_layout(raympi.optim.adam(1e-3), model)}
+    older = {k: v for k, v in now.items() if k != "optimizer_state"}
+    assert _differences(older, now) == [] and _differences({**now, "optimizer_state": {"count": []}}, now)

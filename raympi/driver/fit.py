@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 from typing import Any
 
@@ -129,7 +130,8 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         plan = ChunkPlan(total=min(spe * cfg.epochs, cfg.max_steps or spe * cfg.epochs), steps_per_epoch=spe,
                          checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every, has_eval=eval_data is not None)
         fingerprint = {"batch_size": cfg.batch_size, "seed": cfg.seed, "num_samples": num_samples,
-                       "params": {name: list(p.shape) for name, p in model.named_parameters()}}
+                       "params": {name: list(p.shape) for name, p in model.named_parameters()},
+                       "optimizer_state": _optimizer_layout(optimizer, model)}
         run = _resumed(store, fingerprint) if cfg.resume else RunState()
         run = dataclasses.replace(run, warm_possible=ray_dataset is None)
         pipeline = Pipeline(plan, sampler, cfg, eval_data.length if eval_data else 0,
@@ -190,7 +192,7 @@ def _resumed(store: CheckpointStore, fingerprint: dict[str, Any]) -> RunState:
         return RunState()
     path, manifest, state = found
     saved = manifest.get("run")
-    if saved is not None and saved != fingerprint:
+    if saved is not None and _differences(saved, fingerprint):
         raise ConfigError(f"resume=True: the checkpoint {path} was made by a different run: "
                           + "; ".join(_differences(saved, fingerprint))
                           + ". Resume with the same values, or pass a new checkpoint_dir to start afresh")
@@ -206,7 +208,29 @@ def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     out += [f"parameter {n!r} is new" for n in after if n not in before]
     out += [f"parameter {n!r} is gone" for n in before if n not in after]
     out += [f"parameter {n!r} was of shape {before[n]}, now {after[n]}" for n in after if n in before and before[n] != after[n]]
+    was, now_opt = saved.get("optimizer_state"), now["optimizer_state"]  # (absent from older checkpoints)
+    if None not in (was, now_opt) and was != now_opt:
+        out.append(f"the optimizer state was {json.dumps(was)}, now {json.dumps(now_opt)} (another optimizer, or one "
+                   "with other state: its learning rate or schedule may change on resume, not that)")
     return out
+
+
+def _optimizer_layout(optimizer: Any, model: torch.nn.Module) -> Any:
+    """The layout of ``optimizer``'s fresh state for ``model``, per-parameter dicts folded, as JSON values;
+    built on the meta device (no memory).  ``None`` where the optimizer cannot be initialised there."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    try:
+        state = optimizer.init({n: torch.empty_like(p, device="meta") for n, p in trainable.items()})
+    except Exception:
+        return None
+
+    def layout(x: Any) -> Any:
+        if isinstance(x, dict):
+            return "per parameter" if x and set(x) <= set(trainable) else {str(k): layout(v) for k, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return [layout(v) for v in x]
+        return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+    return layout(state)
 
 
 def _is_ray_dataset(dataset: Any) -> bool:
