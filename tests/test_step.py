@@ -386,13 +386,14 @@ def test_eval_step_sums_and_eval_mode():
 def test_step_trains_in_train_mode_keeps_frozen_modules_and_gives_modes_back():
     """An eval-mode model trains in train mode and is left in eval. A BatchNorm the user froze in eval
     inside a training model (fine-tuning) stays frozen in the train step (its running statistics do
-    not move) and after it; an eval step evaluates every module in eval and gives the modes back."""
+    not move) and after it. An eval step evaluates every module in eval and gives the modes back."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
     seen: list[bool] = []
     model[1].register_forward_hook(lambda m, i, o: seen.append(m.training))
     opt = optim.sgd(0.1)
     step = make_train_step(model, F.cross_entropy, opt)
+    evaluate = make_eval_step(model, {"loss": F.cross_entropy})
     model.eval()
     state, _ = step(TrainState.create(model, opt), _batch(0))
     assert seen == [True] and not any(m.training for m in model.modules())
@@ -402,9 +403,32 @@ def test_step_trains_in_train_mode_keeps_frozen_modules_and_gives_modes_back():
     assert seen == [True, False]
     torch.testing.assert_close(frozen.buffers["1.running_mean"], state.buffers["1.running_mean"], rtol=0, atol=0)
     assert [m.training for m in model.modules()] == [True, True, False, True, True]
-    make_eval_step(model, {"loss": F.cross_entropy})(state, _batch(2))
-    assert seen == [True, False, False]
-    assert [m.training for m in model.modules()] == [True, True, False, True, True]
+    model.train()
+    evaluate(state, _batch(2))
+    assert seen == [True, False, False] and all(m.training for m in model.modules())
+
+
+def test_modes_come_back_after_an_error_for_modules_added_later_and_from_an_overridden_train():
+    class Net(nn.Sequential):
+        def train(self, mode: bool = True):  # an override with a side effect on an unregistered helper
+            self.__dict__["helper"].train(mode)
+            return super().train(mode)
+
+    model = Net(nn.Linear(10, 4))
+    model.__dict__["helper"] = nn.Dropout()
+    step = make_train_step(model, F.cross_entropy, optim.sgd(0.1))
+    model.append(nn.Dropout())  # added after the step was built
+    model.eval()
+    model.__dict__["helper"].eval()
+    state = TrainState.create(model, optim.sgd(0.1))
+    step(state, _batch(0))
+    assert not any(m.training for m in model.modules()) and not model.__dict__["helper"].training
+    with pytest.raises(TrainingError):
+        step(state, (torch.randn(4, 10), torch.randint(0, 4, (5,))))  # inputs and targets disagree
+    assert not any(m.training for m in model.modules())
+    with pytest.raises(RuntimeError):
+        step(state, (torch.randn(4, 9), torch.randint(0, 4, (4,))))  # fails inside the forward
+    assert not any(m.training for m in model.modules()) and not model.__dict__["helper"].training
 
 
 # --------------------------------------------------------------------------- clear errors

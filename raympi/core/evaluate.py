@@ -49,11 +49,10 @@ def make_eval_step(model: nn.Module, metric_fns: dict[str, MetricFn]) -> Callabl
         >>> acc = sum(s["accuracy"] for s in sums) / sum(s["samples"] for s in sums)
     """
     names = _check_names(metric_fns, ("samples",), "metric_fns")
-    modules = list(model.modules())
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
         args, kwargs, targets, n = _split_batch(batch)
-        with in_mode(model, modules, False), torch.no_grad():
+        with in_mode(model, False), torch.no_grad():
             outputs = functional_call(model, (state.params, state.buffers), args, kwargs)
             sums = _means_to_sums(outputs, targets, n, metric_fns, names)
         out: Metrics = dict(zip(names, sums))

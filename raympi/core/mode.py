@@ -9,21 +9,25 @@ from torch import nn
 
 
 @contextlib.contextmanager
-def in_mode(model: nn.Module, modules: list[nn.Module], training: bool) -> Iterator[None]:
-    """Run the block with ``model`` training or evaluating; ``modules`` is ``list(model.modules())``.
+def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Run the block with ``model`` training or evaluating.
 
     Training: ``model.train()`` only when the model itself is in eval mode, so that a module the
     user set to eval inside a training model (a frozen BatchNorm, as in fine-tuning) stays frozen.
-    Evaluating: every module in eval.  Afterwards each module is back in its own mode.  (Nothing is
-    walked when nothing changes: ``model.train()`` costs 1-2 % of a small CNN's step.)
+    Evaluating: every module in eval.  Afterwards ``model.train(its own mode)`` (so that an
+    overridden ``train`` undoes what it did) and each module back in its own mode.  (Nothing is
+    switched when nothing changes: ``model.train()`` costs 1-2 % of a small CNN's step.)
     """
+    modules = list(model.modules())
     modes = [m.training for m in modules]
     switch = not model.training if training else any(modes)
-    if switch:
-        model.train(training)
     try:
+        if switch:
+            model.train(training)
         yield
     finally:
         if switch:
+            model.train(modes[0])
             for m, mode in zip(modules, modes):
-                m.training = mode
+                if m.training != mode:
+                    m.training = mode

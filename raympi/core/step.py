@@ -188,7 +188,6 @@ def make_train_step(
     trainable = set(_trainable(model))
     # Only real buffers can be written by the forward pass (frozen params cannot).
     mutable = {n for n, _ in model.named_buffers()}
-    modules = list(model.modules())
     overlapped = overlap and grad_sync is not None
     if overlapped and not isinstance(grad_sync, _overlap.BucketSync):
         raise ConfigError("overlap=True needs a grad_sync with bucket_bytes, start, finish and abandon "
@@ -236,7 +235,7 @@ def make_train_step(
         buffers = {k: (v.clone() if k in mutable else v) for k, v in state.buffers.items()}
         device = next(iter(state.params.values())).device
         cuda = sorted({t.device.index or 0 for t in state.params.values() if t.device.type == "cuda"})
-        with in_mode(model, modules, True), torch.random.fork_rng(devices=cuda):
+        with in_mode(model, True), torch.random.fork_rng(devices=cuda):
             _seed_generators(_step_seed(seed, step, rank), cuda)
             grads = stats = None
             micros = _accumulate._micro_batches(args, kwargs, targets, n, accumulate)
