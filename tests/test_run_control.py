@@ -171,16 +171,24 @@ def test_mixed_precision_through_fit_trains_like_fp32(ray_session, tmp_path, pre
 
 
 def test_optimizer_layout_folds_parameters_and_older_checkpoints_still_resume():
-    """The layout compared on resume: per-parameter dicts folded, built on the meta device; a wrapped
-    torch optimizer's lazily filled state is an empty dict at init (nothing to compare, no false alarm);
-    a checkpoint from before the layout was recorded is not refused for lacking it."""
+    """The layout compared on resume: per-parameter dicts folded to which parameters they hold, built on
+    the meta device; a wrapped torch optimizer's lazily filled state is an empty dict at init (nothing
+    to compare: from_torch's kind is not checked); a checkpoint from before the layout and the frozen
+    parameters were recorded is not refused for lacking them."""
     from raympi.driver.fit import _differences, _optimizer_layout
 
     model = nn.Linear(3, 2)
     chained = raympi.optim.chain(raympi.optim.clip_by_global_norm(1.0), raympi.optim.adamw(1e-3))
     assert _optimizer_layout(chained, model) == [{}, {"count": [], "mu": "per parameter", "nu": "per parameter"}]
     assert _optimizer_layout(raympi.optim.from_torch(torch.optim.RMSprop, lr=0.1), model) == {"count": [], "state": {}}
+    decay_weights_only = raympi.optim.adamw(1e-3, weight_decay=0.1, mask=lambda p: {n: n == "weight" for n in p})
+    assert _optimizer_layout(decay_weights_only, model) == _optimizer_layout(raympi.optim.adamw(1e-3), model)
+    assert _optimizer_layout(raympi.optim.sgd(0.1, momentum=0.9), model) == {"count": [], "trace": "per parameter"}
+    only = lambda name: raympi.optim.masked(raympi.optim.sgd(0.1, momentum=0.9), lambda p: {n: n == name for n in p})  # noqa: E731
+    assert _optimizer_layout(only("weight"), model) == {"inner_state": {"count": [], "trace": {"per parameter": ["weight"]}}}
+    assert _optimizer_layout(only("bias"), model) != _optimizer_layout(only("weight"), model)
     now = {"batch_size": 8, "seed": 0, "num_samples": 64, "params": {"weight": [2, 3], "bias": [2]},
-           "optimizer_state": _optimizer_layout(raympi.optim.adam(1e-3), model)}
-    older = {k: v for k, v in now.items() if k != "optimizer_state"}
+           "frozen": [], "optimizer_state": _optimizer_layout(raympi.optim.adam(1e-3), model)}
+    older = {k: v for k, v in now.items() if k not in ("optimizer_state", "frozen")}
     assert _differences(older, now) == [] and _differences({**now, "optimizer_state": {"count": []}}, now)
+    assert _differences({**now, "frozen": ["bias"]}, now) == ["the frozen parameters (requires_grad=False) were ['bias'], now []"]

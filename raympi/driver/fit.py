@@ -131,6 +131,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
                          checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every, has_eval=eval_data is not None)
         fingerprint = {"batch_size": cfg.batch_size, "seed": cfg.seed, "num_samples": num_samples,
                        "params": {name: list(p.shape) for name, p in model.named_parameters()},
+                       "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad),
                        "optimizer_state": _optimizer_layout(optimizer, model)}
         run = _resumed(store, fingerprint) if cfg.resume else RunState()
         run = dataclasses.replace(run, warm_possible=ray_dataset is None)
@@ -208,10 +209,12 @@ def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     out += [f"parameter {n!r} is new" for n in after if n not in before]
     out += [f"parameter {n!r} is gone" for n in before if n not in after]
     out += [f"parameter {n!r} was of shape {before[n]}, now {after[n]}" for n in after if n in before and before[n] != after[n]]
-    was, now_opt = saved.get("optimizer_state"), now["optimizer_state"]  # (absent from older checkpoints)
+    if saved.get("frozen", now["frozen"]) != now["frozen"]:  # (these two keys are absent from older checkpoints)
+        out.append(f"the frozen parameters (requires_grad=False) were {saved['frozen']}, now {now['frozen']}")
+    was, now_opt = saved.get("optimizer_state"), now["optimizer_state"]
     if None not in (was, now_opt) and was != now_opt:
         out.append(f"the optimizer state was {json.dumps(was)}, now {json.dumps(now_opt)} (another optimizer, or one "
-                   "with other state: its learning rate or schedule may change on resume, not that)")
+                   "with other state; a new learning rate or schedule is fine, unless inject_hyperparams keeps it in the state)")
     return out
 
 
@@ -225,8 +228,10 @@ def _optimizer_layout(optimizer: Any, model: torch.nn.Module) -> Any:
         return None
 
     def layout(x: Any) -> Any:
+        if isinstance(x, dict) and x and set(x) <= set(trainable):  # one entry per parameter: which ones, not each
+            return "per parameter" if len(x) == len(trainable) else {"per parameter": sorted(x)}
         if isinstance(x, dict):
-            return "per parameter" if x and set(x) <= set(trainable) else {str(k): layout(v) for k, v in x.items()}
+            return {str(k): layout(v) for k, v in x.items()}
         if isinstance(x, (tuple, list)):
             return [layout(v) for v in x]
         return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
