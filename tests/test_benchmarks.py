@@ -33,6 +33,8 @@ def test_profile_step_quick():
     assert re.search(r"^cnn \(examples/mnist.py\)\s+108,618(\s+-?[0-9.]+){6}", proc.stdout, re.M), proc.stdout
 
 
+# slow: ~14 s; recovery itself is tested by tests/test_elastic.py
+@pytest.mark.slow
 def test_recovery_benchmark_quick():
     """benchmarks/recovery.py --quick: one killed raympi worker, recovered, and a numeric row in the table."""
     proc = _quick("recovery.py", 240)
@@ -113,6 +115,8 @@ def test_driver_memory_quick():
     assert (ROOT / "benchmarks" / "out" / "driver_memory_quick.txt").exists()
 
 
+# slow: ~15 s; survivors of killed peers are tested by tests/test_elastic.py and the chaos test
+@pytest.mark.slow
 def test_survivors_quick():
     """benchmarks/survivors.py --quick: two kill trials under raympi's default transport, reported as a table."""
     proc = _quick("survivors.py", 300)
