@@ -30,8 +30,11 @@ from raympi import comm
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 from raympi.driver.config import MPIConfig
+from raympi.driver.group import CPU_MALLOC_ENV
 
-SETTINGS = {"glibc default": {}, "MALLOC_ARENA_MAX=1": {"MALLOC_ARENA_MAX": "1"}}
+# fit's malloc settings for CPU workers, with and without its one arena
+SETTINGS = {"glibc default": {k: v for k, v in CPU_MALLOC_ENV.items() if k != "MALLOC_ARENA_MAX"},
+            "MALLOC_ARENA_MAX=1": CPU_MALLOC_ENV}
 
 
 def _minor_faults() -> int:
@@ -70,8 +73,7 @@ class Rank(comm.Member):
 
 def run(setting: str, steps: int) -> tuple[float, float, float]:
     """One fresh pair of ranks under ``setting``: the slower rank's step and allreduce, the mean faults."""
-    env = {**MPIConfig().environment(multi_host=False), "OMP_NUM_THREADS": "1",
-           "MALLOC_MMAP_THRESHOLD_": str(64 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), **SETTINGS[setting]}
+    env = {**MPIConfig().environment(multi_host=False), "OMP_NUM_THREADS": "1", **SETTINGS[setting]}
     ranks = [Rank.options(runtime_env={"env_vars": env}).remote() for _ in range(2)]
     try:
         comm.form(ranks, timeout_s=120)

@@ -90,7 +90,7 @@ def test_data_benchmark_quick():
     assert (ROOT / "benchmarks" / "out" / "data_quick.csv").exists() and (ROOT / "benchmarks" / "out" / "data_quick.txt").exists()
 
 
-# slow: ~1 min (four worker processes start); that fit's workers get one arena is tests/test_fit.py's
+# slow: ~15-60 s (four worker processes start); that fit's workers get one arena is tests/test_fit.py's
 @pytest.mark.slow
 def test_malloc_arenas_quick():
     """benchmarks/malloc_arenas.py --quick: both settings run a fresh pair of ranks and fill a table row each;

@@ -21,6 +21,10 @@ from raympi.worker import Worker, WorkerSpec
 
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
 SUSPECT_PING_S = 1.5  # a suspected rank that does not answer a ping within this while others do is hung
+# glibc settings of CPU workers: freed gradient-sized blocks stay in the heap (else each step's fresh
+# gradients page-fault tens of MB back in: up to 28 ms a step on a 5.8M MLP), in one arena (the step's
+# Ray thread got one that glibc shrinks on free: benchmarks/malloc_arenas.py).
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_ARENA_MAX": "1"}
 
 __all__ = ["WorkerGroup"]
 
@@ -69,12 +73,7 @@ class WorkerGroup:
             env = {**cfg.mpi.environment(multi_host=spans_hosts(self.bundle, self.nodes))}
             env["OMP_NUM_THREADS"] = str(spec.torch_threads)
             if spec.device == "cpu":
-                # Keep freed gradient-sized blocks in glibc's heap: otherwise each step's fresh
-                # gradients page-fault tens of MB back in (measured: up to 28 ms a step on a 5.8M MLP).
-                env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 2**20))
-                env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**31 - 1))
-                # One arena: the step's Ray thread got one glibc shrinks on free (benchmarks/malloc_arenas.py).
-                env.setdefault("MALLOC_ARENA_MAX", "1")
+                env = {**CPU_MALLOC_ENV, **env}
             self._env, self._spec_ref = env, ray.put(spec)
             announce(f"starting {world} worker(s) (each imports torch and unpickles the model and data)")
             self.actors = [self._spawn(i, i) for i in range(world)]
