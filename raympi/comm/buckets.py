@@ -89,19 +89,17 @@ class BucketAllreduce:
         """Wait for every bucket started since the last ``finish`` and write the sums back."""
         pending = self._pending
         try:
-            for b in pending:
+            for b in pending:  # each one back as soon as its own sum is done (the device copies overlap later sums)
                 if self._threaded(b.tensor):
                     b.done.wait()  # the thread's own wait polls abort
                     if self._error is not None:
                         raise self._error
-                    continue
-                if b.request is None and not b.done.is_set():
+                elif b.request is None and not b.done.is_set():
                     self._issue(b)  # its turn came after the last hook
                 if b.request is not None:
                     self.comm._wait(b.request, b.host.numpy())
                     b.request = None
                     b.done.set()
-            for b in pending:
                 if b.host is not b.tensor:
                     b.tensor.copy_(b.host, non_blocking=b.tensor.is_cuda)
             for device, side in self._side.items():  # the next step's copies into the pinned buffers wait for these
@@ -115,7 +113,7 @@ class BucketAllreduce:
         """Keep every bucket in flight alive for MPI (for good) and forget them; never reuse their buffers."""
         for i, b in enumerate(self._pending):
             if not b.done.is_set() or b.request is not None:
-                _communicator._ABANDONED.append((b.request, (b.host, b.tensor)))
+                _communicator.keep_alive(b.request, b.host, b.tensor)
                 self._pinned.pop(i, None)
         self._pending, self._issued = [], 0
         self.close()  # the thread issues nothing more; a fresh one serves the next step

@@ -23,14 +23,14 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from raympi.comm import library
 from raympi.exceptions import CollectiveAborted, ConfigError
 
-__all__ = ["Communicator", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["Communicator", "DEFAULT_BUCKET_BYTES", "keep_alive"]
 
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 # Below this a tensor is packed with others (one call for many small ones); above, copying it
@@ -40,10 +40,16 @@ INPLACE_MIN_BYTES = 256 * 2**10
 # How long a rank polls a collective flat out before it starts sleeping between polls.
 SPIN_S = 0.02
 
-# (request, buffer) of every collective abandoned in this process: MPI may still write into the buffer.
-_ABANDONED: list[tuple[Any, Any]] = []
+# Everything an abandoned collective may still touch (its request, buffers, the group itself): a
+# library thread may write into it later, so it is never handed back to the allocator.
+_ABANDONED: list[tuple[Any, ...]] = []
 # Optional compression of float32 tensors to 16-bit floats on the wire (see raympi.comm.tensors.WIRE).
 _COMPRESSIONS = ("bf16", "fp16")
+
+
+def keep_alive(*objects: Any) -> None:
+    """Keep ``objects`` (an abandoned collective's request, buffers, group) alive until the process ends."""
+    _ABANDONED.append(objects)
 
 
 class Communicator:
@@ -118,8 +124,9 @@ class Communicator:
         self._reduce_array(flat.reshape(-1))
         return array
 
-    def _reduce_flat(self, flat: Any) -> None:
-        """Sum a flat CPU tensor over all ranks in place, one MPI call per bucket.
+    def _reduce_flat(self, flat: Any, summed: Callable[[int, int], None] | None = None) -> None:
+        """Sum a flat CPU tensor over all ranks in place, one MPI call per bucket; ``summed(start, stop)``
+        is told of each bucket as soon as its sum is in (to copy it on while the next is summed).
 
         A 16-bit float tensor (only under ``compression``) travels as 16-bit integers and is summed by
         the user-defined op (each pairwise sum rounds to 16 bits; the caller writes it back as float32).
@@ -132,14 +139,18 @@ class Communicator:
             for start in range(0, array.size, step):
                 part = array[start : start + step]
                 self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, [part, self._MPI.INT16_T], op=self._wire_op), part)
+                if summed is not None:
+                    summed(start, start + part.size)
             return
-        self._reduce_array(flat.numpy())
+        self._reduce_array(flat.numpy(), summed)
 
-    def _reduce_array(self, array: np.ndarray) -> None:
+    def _reduce_array(self, array: np.ndarray, summed: Callable[[int, int], None] | None = None) -> None:
         """Sum a flat numpy array over all ranks in place, one MPI call per ``bucket_bytes``."""
         step = max(1, self.bucket_bytes // array.itemsize)
         for start in range(0, array.size, step):
             self._allreduce_buffer(array[start : start + step])
+            if summed is not None:
+                summed(start, min(start + step, array.size))
 
     def _allreduce_buffer(self, array: Any) -> None:
         self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, array, op=self._MPI.SUM), array)
@@ -174,7 +185,7 @@ class Communicator:
                 elif self.oversubscribed:
                     os.sched_yield()  # let a rank that shares this core compute (measured: 4 ranks on 2 cores)
         except BaseException:
-            _ABANDONED.append((request, buffer))
+            keep_alive(request, buffer)
             raise
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:

@@ -26,7 +26,7 @@ WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
 
 
-def allreduce_tree_(reduce_flat: Callable[[torch.Tensor], None], tensors: Any, compression: str | None) -> Any:
+def allreduce_tree_(reduce_flat: Callable[..., None], tensors: Any, compression: str | None) -> Any:
     """Sum every tensor of ``tensors`` in place, each flat CPU buffer through ``reduce_flat``.
 
     See :meth:`raympi.comm.Communicator.allreduce_`, which calls it with its own ``_reduce_flat``.
@@ -49,8 +49,10 @@ def allreduce_tree_(reduce_flat: Callable[[torch.Tensor], None], tensors: Any, c
             flat[offset : offset + t.numel()].view(t.shape).copy_(t.detach())
             offset += t.numel()
         host = _to_host(flat)
-        reduce_flat(host)
-        flat = _from_host(host, flat)
+        if host is flat:
+            reduce_flat(flat)
+        else:  # each bucket back to the device as soon as its sum is in, while MPI sums the next
+            reduce_flat(host, lambda start, stop: flat[start:stop].copy_(host[start:stop], non_blocking=True))
         offset = 0
         for t in group:
             t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
@@ -108,10 +110,4 @@ def _to_host(flat: torch.Tensor) -> torch.Tensor:
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat)
         return host
-    return flat
-
-
-def _from_host(host: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    if flat.is_cuda:
-        flat.copy_(host, non_blocking=False)
     return flat

@@ -89,6 +89,8 @@ class FitConfig(BaseModel):
     bucket_bytes: int = Field(16 * 2**20, ge=1024, description="bytes per MPI_Allreduce bucket")
     compression: Optional[Literal["bf16", "fp16"]] = Field(None, description="send float32 gradients as 16-bit floats (half the bytes; the optimizer stays float32); see the README's performance notes")
     overlap: Optional[bool] = Field(None, description="sum gradient buckets over the ranks while backward still runs, as DDP does; default: on with GPUs, off on CPUs, where it did not pay (benchmarks/README.md); not with compression")
+    grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = Field("auto", description="how gradients are summed: 'mpi' (the communicator; GPU gradients staged through host memory), 'nccl' (a NCCL process group built from the MPI communicator; one GPU per worker), 'gloo' (the same path on CPU); 'auto': nccl for workers with a whole GPU each, mpi otherwise (faster than gloo on CPU, benchmarks/README.md)")
+    fp32_reduce: bool = Field(False, description="nccl/gloo: sum 16-bit gradients in float32 (twice the bytes); mpi always does")
     loader_workers: Optional[int] = Field(None, ge=0, description="processes per worker reading a map-style Dataset ahead of the step (0: in the step's thread); default: the worker's CPUs minus one, at most 4")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch threads per worker; default the worker's CPUs")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="mixed precision: forward and loss under autocast, float32 master weights; fp16 adds dynamic loss scaling")
@@ -116,6 +118,15 @@ class FitConfig(BaseModel):
             raise ValueError(f"min_workers={self.min_workers} is larger than workers={self.workers}")
         if self.overlap and self.compression:
             raise ValueError(f"overlap=True does not combine with compression={self.compression!r}: set overlap=False or compression=None")
+        if self.compression and self.grad_transport in ("nccl", "gloo"):
+            raise ValueError(f"compression={self.compression!r} applies to the MPI transport only, not grad_transport="
+                             f"{self.grad_transport!r}: set compression=None or grad_transport='mpi'")
+        if self.grad_transport == "nccl" and self.use_gpu is False:
+            raise ValueError("grad_transport='nccl' needs GPU workers, but use_gpu=False: use grad_transport='gloo' or 'mpi' on CPUs")
+        if self.grad_transport == "nccl" and 0 < self.resources_per_worker.get("GPU", 1) < 1:
+            raise ValueError(f"grad_transport='nccl' needs a whole GPU per worker (NCCL refuses two ranks on one device), "
+                             f"but resources_per_worker gives each {self.resources_per_worker['GPU']:g}: "
+                             "use grad_transport='mpi' or 'gloo' for workers that share a GPU")
         if self.batch_size < self.workers:
             raise ValueError(f"batch_size={self.batch_size} is smaller than workers={self.workers}: every worker needs at least one sample per step")
         return self

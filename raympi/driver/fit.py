@@ -23,6 +23,7 @@ from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 from raympi.driver import data, report
+from raympi.driver.capacity import worker_bundle
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import FitConfig, parse_config
 from raympi.driver.controller import Controller
@@ -125,6 +126,8 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             device="cuda" if use_gpu else "cpu", seed=cfg.seed, loader_workers=_loader_workers(cfg),
             step_options={**_step_options(cfg), "overlap": _overlaps(cfg, use_gpu)},
             torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
+            grad_transport=grad_transport(cfg, use_gpu), fp32_reduce=cfg.fp32_reduce,
+            transport_timeout_s=cfg.startup_timeout_s,
         )
         spe = sampler.steps_per_epoch
         plan = ChunkPlan(total=min(spe * cfg.epochs, cfg.max_steps or spe * cfg.epochs), steps_per_epoch=spe,
@@ -160,6 +163,21 @@ def _step_options(cfg: FitConfig) -> dict[str, Any]:
 def _overlaps(cfg: FitConfig, use_gpu: bool) -> bool:
     """``overlap`` as set; by default on with GPUs (the host idles while they compute), off on CPUs (it did not pay)."""
     return cfg.overlap if cfg.overlap is not None else bool(use_gpu) and cfg.compression is None
+
+
+def grad_transport(cfg: FitConfig, use_gpu: bool) -> str:
+    """The gradient transport of the run: as set, else NCCL for workers with a whole GPU each and MPI
+    otherwise (on CPUs MPI beat gloo; NCCL refuses two ranks on one GPU).
+
+    Raises:
+        ConfigError: ``"nccl"`` for workers without a GPU.
+    """
+    if cfg.grad_transport == "nccl" and not use_gpu:
+        raise ConfigError("grad_transport='nccl' needs GPU workers, and the cluster has no GPU (or use_gpu is off): "
+                          "use grad_transport='gloo' or 'mpi' on CPUs")
+    if cfg.grad_transport != "auto":
+        return cfg.grad_transport
+    return "nccl" if use_gpu and worker_bundle(cfg, True)["GPU"] >= 1 and cfg.compression is None else "mpi"
 
 
 def _loader_workers(cfg: FitConfig) -> int:

@@ -22,6 +22,7 @@ import torch
 
 from raympi import comm
 from raympi.comm import library
+from raympi.comm import process_group
 from raympi.comm.buckets import BucketAllreduce
 from raympi.core import optim, pytree
 from raympi.core.precision import LossScaling
@@ -68,6 +69,10 @@ class WorkerSpec:
         seed: the run's seed (data augmentation is seeded per sample from it).
         loader_workers: processes reading a Dataset ahead of the step (0: read in the step's thread).
         step_options: more keyword arguments of :func:`~raympi.core.step.make_train_step` (``on_nonfinite``, ...).
+        grad_transport: how gradients are summed: ``"mpi"`` (the communicator itself), ``"gloo"`` or
+            ``"nccl"`` (a process group built from it, see :mod:`raympi.comm.process_group`).
+        fp32_reduce: gloo/NCCL: sum 16-bit gradients in float32.
+        transport_timeout_s: building the process group, and the longest one of its operations may block.
     """
 
     model: torch.nn.Module
@@ -82,6 +87,9 @@ class WorkerSpec:
     seed: int = 0
     loader_workers: int = 0
     step_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    grad_transport: str = "mpi"
+    fp32_reduce: bool = False
+    transport_timeout_s: float = 120.0
 
 
 class Worker(comm.Member):
@@ -96,6 +104,8 @@ class Worker(comm.Member):
         self.loss_fn = spec.loss_fn
         self.optimizer = spec.optimizer
         self.step_options = spec.step_options
+        self.transport = (spec.grad_transport, spec.fp32_reduce, spec.transport_timeout_s)
+        self.grad_sync: Any = None  # the step's cross-rank sum, rebuilt for every new communicator
         # Before MPI starts: a Dataset's loader forks its reading processes here.
         self.source: Any = _source(spec.train, spec.train_kind, spec) if spec.train_kind != "stream" else None
         self.eval_source: Any = _source(spec.eval, spec.eval_kind, spec, loader_workers=0) if spec.eval is not None else None
@@ -142,15 +152,24 @@ class Worker(comm.Member):
         self.comm.mpi.Set_errhandler(library.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
         options = dict(self.step_options)
         overlap = bool(options.pop("overlap", False))  # gradient buckets summed while backward runs
-        if getattr(self, "bucket_sync", None) is not None:
-            self.bucket_sync.close()  # the previous communicator's reduction thread
-        self.bucket_sync = BucketAllreduce(self.comm) if overlap else None
-        self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer,
-                                          grad_sync=self.bucket_sync or self.comm.allreduce_, rank=self.rank,
-                                          donate=True, overlap=overlap, **options)
+        if self.grad_sync is not None and hasattr(self.grad_sync, "close"):
+            self.grad_sync.close()  # the previous communicator's reduction thread or process group
+        self.grad_sync = self._grad_sync(overlap)
+        self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer, grad_sync=self.grad_sync,
+                                          rank=self.rank, donate=True, overlap=overlap, **options)
         fns = {"loss": self.loss_fn, "accuracy": accuracy, **(self.step_options.get("metrics") or {})}
         self.eval_step = make_eval_step(self.model, fns)
         self.eval_step_names = [*fns, "samples"]
+
+    def _grad_sync(self, overlap: bool) -> Any:
+        """The cross-rank gradient sum over the current communicator: none in a world of one (nothing
+        to sum), the communicator's own MPI path, or a gloo/NCCL process group built from it."""
+        transport, fp32_reduce, timeout_s = self.transport
+        if self.comm.size == 1:
+            return None
+        if transport == "mpi":
+            return BucketAllreduce(self.comm) if overlap else self.comm.allreduce_
+        return process_group.connect(self.comm, transport, ray.util.get_node_ip_address(), timeout_s, fp32_reduce=fp32_reduce)
 
     def _own(self, state: TrainState) -> None:
         # Steps donate the state's memory (update in place), so the state must be this actor's own:
@@ -211,6 +230,8 @@ class Worker(comm.Member):
         """Abandon the collective in flight (a peer failed); the state stays at the last whole step."""
         if self.comm is not None:
             self.comm.abort.set()
+        if isinstance(self.grad_sync, process_group.ProcessGroupSum):
+            self.grad_sync.abort()  # NCCL: its kernels in flight end now
 
     @ray.method(concurrency_group="health")
     def ping(self) -> int:
