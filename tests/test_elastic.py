@@ -114,7 +114,8 @@ def uninterrupted(cluster, tmp_path_factory):
     return raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(tmp_path_factory.mktemp("base")), **OPTIONS)
 
 
-def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrupted, tmp_path):
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrupted, tmp_path, transport):
     folder = tmp_path / "ck"
     lost = cluster.workers.pop()
     added, done = [], threading.Event()
@@ -133,7 +134,7 @@ def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrup
 
     _when_checkpoint(folder, 20, lambda: (cluster.remove_node(lost), add_back_when_shrunk()))
     try:
-        result = raympi.fit(_net(), _data(), workers=3, min_workers=2, checkpoint_dir=str(folder), **OPTIONS)
+        result = raympi.fit(_net(), _data(), workers=3, min_workers=2, checkpoint_dir=str(folder), grad_transport=transport, **OPTIONS)
     finally:
         for node in added:
             cluster.remove_node(node)
@@ -164,11 +165,13 @@ def _manifest_metrics(folder: pathlib.Path) -> list[dict]:
     return out
 
 
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
 @pytest.mark.parametrize("sig, kind", [(signal.SIGKILL, "worker_lost"), (signal.SIGSTOP, "hung")])
-def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, sig, kind):
+def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, sig, kind, transport):
+    """On either gradient transport: a gloo process group of the old membership is abandoned, a new one built."""
     folder = tmp_path / "ck"
     _when_checkpoint(folder, 20, lambda: _signal_one_worker(sig))
-    result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **OPTIONS)
+    result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), grad_transport=transport, **OPTIONS)
     assert [r["kind"] for r in result.restarts] == [kind]
     record = result.restarts[0]
     assert record["path"] == "warm" and record["steps_lost"] == 0, {k: record.get(k) for k in ("path", "warm_skipped", "warm_error", "cause")}
