@@ -4,7 +4,8 @@ Contenders, each training the same model from the same initial weights on the sa
 (SGD lr 0.01, no momentum; 32 samples per worker, global batch 32*W; loss = mean over the global
 batch; 1 torch thread per process, CPU):
 
-    raympi            raympi.fit on a fresh local Ray (ray.init(address="local", num_cpus=W))
+    raympi            raympi.fit on a fresh local Ray (ray.init(address="local", num_cpus=W)), gradients over MPI
+    raympi-gloo       the same with grad_transport="gloo": a gloo process group built from the MPI communicator
     torchrun-ddp      python -m torch.distributed.run --standalone --nproc_per_node W, DDP over gloo
     raytrain          Ray Train TorchTrainer (ScalingConfig(num_workers=W)), prepare_model (DDP, gloo),
                       on a fresh local Ray; Train V2 is Ray 2.60's default and is what runs
@@ -85,7 +86,7 @@ CHILD_TIMEOUT_S = 600
 RAW_REPS = 60
 
 MODELS = ("cnn", "mlp")
-CONTENDERS = ("raympi", "torchrun-ddp", "raytrain", "mpiexec-template", "floor", "raw-allreduce")
+CONTENDERS = ("raympi", "raympi-gloo", "torchrun-ddp", "raytrain", "mpiexec-template", "floor", "raw-allreduce")
 COMPARED = ("raympi", "torchrun-ddp", "mpiexec-template", "raytrain")  # order of preference for the reference
 
 
@@ -315,7 +316,7 @@ def _ray_init(workers: int) -> None:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
 
 
-def run_raympi(spec: dict[str, Any], workers: int) -> dict[str, Any]:
+def run_raympi(spec: dict[str, Any], workers: int, transport: str = "mpi") -> dict[str, Any]:
     import ray
 
     import raympi
@@ -332,7 +333,7 @@ def run_raympi(spec: dict[str, Any], workers: int) -> dict[str, Any]:
         result = raympi.fit(
             model, (data["x"], data["y"]), workers=workers, epochs=-(-steps // warmup), max_steps=steps,
             batch_size=PER_WORKER * workers, optimizer=raympi.optim.sgd(LR), progress=False, seed=SEED,
-            checkpoint_dir=spec["dir"] + "/raympi-ckpt", checkpoint_every=0, torch_threads=1,
+            checkpoint_dir=spec["dir"] + "/raympi-ckpt", checkpoint_every=0, torch_threads=1, grad_transport=transport,
         )
     finally:
         ray.shutdown()
@@ -365,7 +366,7 @@ def run_raytrain(spec: dict[str, Any], workers: int) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
-    "raympi": run_raympi, "torchrun-ddp": run_torchrun, "raytrain": run_raytrain,
+    "raympi": run_raympi, "raympi-gloo": lambda spec, w: run_raympi(spec, w, "gloo"), "torchrun-ddp": run_torchrun, "raytrain": run_raytrain,
     "mpiexec-template": run_mpiexec, "floor": run_floor, "raw-allreduce": run_raw_allreduce,
 }
 
