@@ -76,6 +76,22 @@ def ray_cluster(timeout_s: float = 30.0) -> str:
     return done.stdout.strip()
 
 
+def transports() -> dict[str, str]:
+    """One line per gradient transport (``fit(grad_transport=...)``): what this machine offers."""
+    from raympi.comm import library
+
+    import torch
+    from torch import distributed as dist
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = "not in this torch build"
+    if dist.is_available() and dist.is_nccl_available():
+        version = ".".join(str(v) for v in torch.cuda.nccl.version())
+        nccl = f"available, NCCL {version}" + (f", {gpus} GPU(s) visible" if gpus else " (no GPU visible here)")
+    gloo = "available" if dist.is_available() and dist.is_gloo_available() else "not in this torch build"
+    return {"mpi": f"CUDA-aware: {library.cuda_aware()}", "gloo": gloo, "nccl": nccl}
+
+
 def doctor() -> int:
     """Print versions and checks; 0 when MPI works, 1 with a one-line reason otherwise."""
     from raympi.comm import library
@@ -89,6 +105,8 @@ def doctor() -> int:
         return 1
     failure = check_connect_accept()
     print(f"{'connect':8} {'ok: two singleton processes joined one communicator' if failure is None else 'FAILED'}")
+    for name, line in transports().items():
+        print(f"{name:8} {line}")
     print(f"{'ray':8} {ray_cluster()}")
     if failure:
         print(f"FAIL: {failure}")

@@ -90,3 +90,7 @@ def test_doctor_on_the_real_library(tmp_path):
     assert "connect  ok" in done.stdout
     for dist in ("ray", "torch", "mpi4py"):
         assert any(line.startswith(dist + " ") for line in done.stdout.splitlines())
+    # the gradient transports: the PyPI MPICH is not CUDA-aware; this torch has gloo and NCCL
+    assert "mpi      CUDA-aware: no (MPICH built without --with-cuda)" in done.stdout, done.stdout
+    assert "gloo     available" in done.stdout
+    assert any(line.startswith("nccl     available, NCCL 2.") for line in done.stdout.splitlines()), done.stdout

@@ -36,6 +36,18 @@ def problem() -> str | None:
     return None
 
 
+def cuda_aware() -> str:
+    """Whether the MPI library can take CUDA buffers, as far as its version string tells, in words."""
+    text = _load().Get_library_version()
+    configure = re.search(r"MPICH configure:\s*(.*)", text)
+    if configure:
+        return ("yes (MPICH built --with-cuda)" if "--with-cuda" in configure.group(1)
+                else "no (MPICH built without --with-cuda): GPU gradients over MPI are staged through host memory")
+    if "Open MPI" in text:
+        return "unknown (Open MPI: see ompi_info --parsable --all | grep mpi_built_with_cuda_support)"
+    return "unknown"
+
+
 def require() -> ModuleType:
     """The ``mpi4py.MPI`` module, or a readable :class:`MPIUnavailableError`."""
     reason = problem()
