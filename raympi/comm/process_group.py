@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import threading
+import time
 from typing import Any, Optional
 
 import torch
@@ -183,16 +184,34 @@ class ProcessGroupSum:
     def finish(self) -> None:
         """Wait for every bucket started since the last ``finish``, each written back as soon as it is summed.
 
-        With NCCL the wait is the current stream's, not the host's."""
+        With NCCL the current stream waits for each sum (no host copy); the host then waits for the
+        stream while it polls the abort flag, so that sums cut short by :meth:`abort` are never used:
+        the step reads its statistics right after this anyway, before the optimizer runs."""
         try:
             for w in self._pending:
                 self._wait(w)
                 if w.wire is not w.bucket:
                     w.bucket.copy_(w.wire)
+            if self.backend == "nccl" and self._pending:
+                self._settle()
         except BaseException:
             self.abandon()
             raise
         self._pending = []
+
+    def _settle(self) -> None:
+        """NCCL: wait on the host until the current stream is past the sums, unless abort comes first."""
+        done = torch.cuda.Event()
+        done.record()
+        spins = 0
+        while not done.query():
+            if self.comm.abort.is_set():
+                break
+            spins += 1
+            if spins > 1000:
+                time.sleep(50e-6)
+        if self.comm.abort.is_set():  # the sums may have been cut short
+            raise CollectiveAborted(f"rank {self.comm.rank}: collective abandoned on request (a peer failed)")
 
     def _wait(self, w: _Work) -> None:
         if w.done is not None:
