@@ -291,9 +291,42 @@ def stage_sync(cfg: argparse.Namespace) -> dict[str, Any]:
 
 
 def _resnet() -> nn.Module:
-    import torchvision
+    """torchvision's ResNet-18 (10 classes); the same network built here where torchvision is missing (the
+    GPU machine may lack it, and it does not fit in the carry)."""
     torch.manual_seed(0)
+    try:
+        import torchvision
+    except ImportError:
+        return _ResNet18()
     return torchvision.models.resnet18(num_classes=10)
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.down(x))
+
+
+class _ResNet18(nn.Module):
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        widths, layers, cin = (64, 128, 256, 512), [], 64
+        for i, w in enumerate(widths):
+            layers += [_Block(cin, w, 1 if i == 0 else 2), _Block(w, w, 1)]
+            cin = w
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
 
 def _plain_loop(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, device: torch.device) -> float:
