@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raympi.core import optim
-from raympi.core.accumulate import _micro_batches
+from raympi.core.accumulate import micro_batches
 from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
@@ -108,7 +108,7 @@ def test_micro_batches_split_batched_inputs_only():
     x, y = _batch(0, 10)
     scale = torch.tensor(2.0)
     table = torch.randn(7, 3)  # another first dimension: not batched
-    micro = _micro_batches((x, scale), {"table": table, "mask": x > 0}, y, 10, 3)
+    micro = micro_batches((x, scale), {"table": table, "mask": x > 0}, y, 10, 3)
     assert [m[3] for m in micro] == [4, 3, 3]
     assert torch.equal(torch.cat([m[2] for m in micro]), y)
     assert torch.equal(torch.cat([m[0][0] for m in micro]), x)

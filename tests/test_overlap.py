@@ -20,7 +20,7 @@ from torch import nn
 from raympi import comm
 from raympi.comm.buckets import BucketAllreduce
 from raympi.core import optim
-from raympi.core.overlap import FIRST_BUCKET_BYTES, _plan
+from raympi.core.overlap import FIRST_BUCKET_BYTES, plan_buckets
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 from raympi.exceptions import CollectiveAborted, ConfigError
@@ -87,7 +87,7 @@ def test_same_as_plain_step_bit_for_bit(model, precision, accumulate):
             assert torch.equal(x, y), part
     # Per step: the buckets in reverse parameter order, then the statistics row (float64) last.
     per_step = len(sync.started) // 4
-    names = _plan(dict(net.named_parameters()), sync.bucket_bytes)
+    names = plan_buckets(dict(net.named_parameters()), sync.bucket_bytes)
     assert per_step == len(names) + 1 and sync.finished == 4 and sync.abandoned == 0
     assert sync.started[per_step - 1].dtype == torch.float64
     last = dict(net.named_parameters())[names[0][0]]
@@ -97,7 +97,7 @@ def test_same_as_plain_step_bit_for_bit(model, precision, accumulate):
 def test_buckets_reverse_order_small_first_one_dtype_each():
     params = {"a": torch.zeros(300_000), "b": torch.zeros(10, dtype=torch.float64), "c": torch.zeros(100_000),
               "d": torch.zeros(100_000), "e": torch.zeros(400_000)}
-    plan = _plan(params, bucket_bytes=2 * 2**20)
+    plan = plan_buckets(params, bucket_bytes=2 * 2**20)
     assert plan == [["e"], ["d", "c"], ["b"], ["a"]]
     assert 400_000 * 4 > FIRST_BUCKET_BYTES  # a tensor larger than the cap is a bucket of its own
 

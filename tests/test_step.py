@@ -15,7 +15,8 @@ from torch import nn
 from raympi.core import optim, pytree
 from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
-from raympi.core.step import _step_seed, make_eval_step, make_train_step
+from raympi.core.rng import step_seed
+from raympi.core.step import make_eval_step, make_train_step
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
 
 torch.set_num_threads(1)
@@ -73,7 +74,7 @@ def test_matches_plain_pytorch_loop(ours, theirs):
         x, y = _batch(step)
         state, metrics = step_fn(state, (x, y))
 
-        torch.manual_seed(_step_seed(5, step, 0))
+        torch.manual_seed(step_seed(5, step, 0))
         ref_opt.zero_grad()
         out = ref(x)
         loss = F.cross_entropy(out, y)

@@ -18,22 +18,36 @@ import torch
 from raympi.core import pytree
 from raympi.exceptions import ConfigError
 
+__all__ = ["MicroBatch", "check_accumulate", "micro_batches"]
+
 MicroBatch = tuple[tuple, dict, torch.Tensor, int]  # model args, model kwargs, targets, sample count
 
 
-def _check(accumulate: Any) -> int:
+def check_accumulate(accumulate: Any) -> int:
+    """Check ``make_train_step``'s ``accumulate``: an int >= 1 (not a bool); returned as is.
+
+    Raises:
+        ConfigError: any other value.
+    """
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ConfigError(f"accumulate must be an int >= 1 (micro-batches per step), got {accumulate!r}")
     return accumulate
 
 
-def _micro_batches(args: tuple, kwargs: dict, targets: torch.Tensor, n: int, k: int) -> list[MicroBatch]:
+def micro_batches(args: tuple, kwargs: dict, targets: torch.Tensor, n: int, k: int) -> list[MicroBatch]:
     """Cut a batch into ``min(k, n)`` micro-batches along dim 0, sizes differing by at most one.
 
     ``torch.tensor_split`` cuts the targets and every input tensor whose first
     dimension is the batch (``n``); any other input (a 0-d tensor, a tensor of
     another length, a non-tensor) goes whole to every micro-batch.  The
     pieces are views: no copy.
+
+    Args:
+        args, kwargs, targets, n: a batch as :func:`~raympi.core.batch.split_batch` returns it.
+        k: the micro-batches wanted.
+
+    Returns:
+        ``[(args, kwargs, targets, n), ...]``, one per micro-batch.
     """
     k = min(k, n)  # no empty micro-batch
     if k == 1:

@@ -1,7 +1,7 @@
 """The batch format of a step: what ``train_step`` and ``eval_step`` accept, checked and taken apart.
 
 A batch is ``(inputs, targets)`` or ``{"inputs": ..., "targets": ...}``;
-:func:`_split_batch` validates it and turns it into the positional and
+:func:`split_batch` validates it and turns it into the positional and
 keyword arguments of the model call, the targets and the local sample count,
 with errors that show the accepted forms.  Part of the functional core:
 torch alone.
@@ -15,6 +15,8 @@ import torch
 
 from raympi.exceptions import TrainingError
 
+__all__ = ["Batch", "split_batch", "correct_predictions"]
+
 Batch = Any  # (inputs, targets) or {"inputs": ..., "targets": ...}
 
 _BATCH_HELP = (
@@ -24,8 +26,20 @@ _BATCH_HELP = (
 )
 
 
-def _split_batch(batch: Batch) -> tuple[tuple, dict, torch.Tensor, int]:
-    """``batch`` -> (positional args, keyword args, targets, local sample count)."""
+def split_batch(batch: Batch) -> tuple[tuple, dict, torch.Tensor, int]:
+    """Check a batch and take it apart for the model call.
+
+    Args:
+        batch: ``(inputs, targets)`` or ``{"inputs": ..., "targets": ...}``.
+
+    Returns:
+        ``(args, kwargs, targets, n)``: the positional and keyword arguments of
+        ``model(...)``, the targets and the local sample count.
+
+    Raises:
+        TrainingError: the batch has another form, no sample, or inputs and
+            targets of different lengths; the message shows the accepted forms.
+    """
     if isinstance(batch, dict):
         if set(batch) != {"inputs", "targets"}:
             raise TrainingError(f"batch dict has keys {sorted(batch)}: {_BATCH_HELP}")
@@ -58,6 +72,13 @@ def correct_predictions(outputs: Any, targets: torch.Tensor) -> Optional[torch.T
 
     Classification: integer class ids as targets and outputs of shape
     ``(N, C, ...)`` for targets ``(N, ...)``, the layout of ``F.cross_entropy``.
+
+    Args:
+        outputs: the model's outputs.
+        targets: the batch's targets.
+
+    Returns:
+        The count of correct predictions (a 0-d tensor, not read to the host), or ``None``.
     """
     if (
         isinstance(outputs, torch.Tensor)

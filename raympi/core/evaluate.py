@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from raympi.core.batch import Batch, _split_batch
-from raympi.core.metrics import MetricFn, Metrics, _check_names, _means_to_sums
+from raympi.core.batch import Batch, split_batch
+from raympi.core.metrics import MetricFn, Metrics, check_metric_names, means_to_sums
 from raympi.core.mode import in_mode
 from raympi.core.state import TrainState
 
@@ -48,13 +48,13 @@ def make_eval_step(model: nn.Module, metric_fns: dict[str, MetricFn]) -> Callabl
         >>> sums = [ev(state, b) for b in batches]
         >>> acc = sum(s["accuracy"] for s in sums) / sum(s["samples"] for s in sums)
     """
-    names = _check_names(metric_fns, ("samples",), "metric_fns")
+    names = check_metric_names(metric_fns, ("samples",), "metric_fns")
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
-        args, kwargs, targets, n = _split_batch(batch)
+        args, kwargs, targets, n = split_batch(batch)
         with in_mode(model, False), torch.no_grad():
             outputs = functional_call(model, (state.params, state.buffers), args, kwargs)
-            sums = _means_to_sums(outputs, targets, n, metric_fns, names)
+            sums = means_to_sums(outputs, targets, n, metric_fns, names)
         out: Metrics = dict(zip(names, sums))
         out["samples"] = n
         return out

@@ -7,6 +7,8 @@ from typing import Iterator
 
 from torch import nn
 
+__all__ = ["in_mode"]
+
 
 @contextlib.contextmanager
 def in_mode(model: nn.Module, training: bool) -> Iterator[None]:

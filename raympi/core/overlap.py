@@ -21,10 +21,10 @@ from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from raympi.core.precision import _nonfinite
+from raympi.core.precision import nonfinite_flag
 from raympi.exceptions import TrainingError
 
-__all__ = ["BucketSync", "FIRST_BUCKET_BYTES"]
+__all__ = ["BucketSync", "Buckets", "FIRST_BUCKET_BYTES", "plan_buckets"]
 
 # DDP's first bucket is small too: the last layers' gradients go out while the rest is computed.
 FIRST_BUCKET_BYTES = 2**20
@@ -50,8 +50,17 @@ class BucketSync(Protocol):
         """Give up the buckets in flight (the step failed); their memory must stay valid for MPI."""
 
 
-def _plan(params: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
-    """Parameter names cut into buckets, in reverse order; a bucket keeps one dtype and device."""
+def plan_buckets(params: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Parameter names cut into buckets, in reverse order; a bucket keeps one dtype and device.
+
+    Args:
+        params: the parameters, in the model's order.
+        bucket_bytes: the most bytes of a bucket after the first (which holds at most
+            :data:`FIRST_BUCKET_BYTES`).
+
+    Returns:
+        The buckets, each a list of parameter names, in the order they are summed.
+    """
     buckets: list[list[str]] = []
     size, kind = 0, None
     for name in reversed(list(params)):
@@ -77,7 +86,7 @@ class Buckets:
         self.flats: list[torch.Tensor] = []
         self.slot: dict[str, tuple[int, torch.Tensor]] = {}
         self.missing: list[set[str]] = []
-        for names in _plan(params, sync.bucket_bytes):
+        for names in plan_buckets(params, sync.bucket_bytes):
             first = params[names[0]]
             flat = torch.empty(sum(params[n].numel() for n in names), dtype=first.dtype, device=first.device)
             offset = 0
@@ -123,7 +132,7 @@ class Buckets:
         while self.next < len(self.flats) and not self.missing[self.next]:
             flat = self.flats[self.next]
             if self.check_finite:  # on the local gradients, before the sum overwrites them
-                self.flags.append(_nonfinite([flat]))
+                self.flags.append(nonfinite_flag([flat]))
             self.sync.start(flat)
             self.next += 1
 

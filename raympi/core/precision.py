@@ -23,7 +23,7 @@ import torch
 
 from raympi.exceptions import ConfigError
 
-__all__ = ["Precision", "LossScaling"]
+__all__ = ["Precision", "LossScaling", "check_precision", "autocast", "nonfinite_flag", "unscale_", "next_loss_scale"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,7 +62,12 @@ class LossScaling(NamedTuple):
         }
 
 
-def _check(precision: Any, loss_scaling: Any) -> None:
+def check_precision(precision: Any, loss_scaling: Any) -> None:
+    """Check ``make_train_step``'s ``precision`` and ``loss_scaling`` arguments together.
+
+    Raises:
+        ConfigError: an unknown precision, ``loss_scaling`` without fp16, or a bad setting in it.
+    """
     if precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
     if loss_scaling is None:
@@ -86,25 +91,45 @@ def _check(precision: Any, loss_scaling: Any) -> None:
         raise ConfigError(f"LossScaling.growth_interval must be a positive int, got {s.growth_interval!r}")
 
 
-def _autocast(precision: Precision, device_type: str) -> contextlib.AbstractContextManager:
-    """The context the forward pass and the loss run in."""
+def autocast(precision: Precision, device_type: str) -> contextlib.AbstractContextManager:
+    """The context the forward pass and the loss run in.
+
+    Args:
+        precision: ``"fp32"`` (no autocast), ``"bf16"`` or ``"fp16"``.
+        device_type: the parameters' device type (``"cpu"``, ``"cuda"``).
+
+    Returns:
+        A context manager: ``torch.autocast`` to the precision's dtype, or a null context.
+    """
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=_DTYPES[precision])
 
 
-def _nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
-    """1.0 when some gradient holds an inf or NaN, else 0.0: a float64 tensor of shape (1,), no host read."""
+def nonfinite_flag(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Whether some gradient holds an inf or NaN, without a host read.
+
+    Args:
+        grads: a non-empty list of tensors.
+
+    Returns:
+        1.0 or 0.0, a float64 tensor of shape (1,) on the first tensor's device.
+    """
     # The max of the per-tensor max-norms: inf or NaN exactly when some element is, and no sum to overflow.
     worst = torch.stack([n.to(grads[0].device) for n in torch._foreach_norm(grads, float("inf"))]).max()
     return (~torch.isfinite(worst)).to(torch.float64).reshape(1)
 
 
-def _unscale_(grads: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """Divide ``grads`` by ``scale`` in place, as ``GradScaler.unscale_`` does; return its ``found_inf``.
+def unscale_(grads: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Divide ``grads`` by ``scale`` in place, as ``GradScaler.unscale_`` does.
 
-    ``found_inf`` is a float32 tensor of shape (1,) on the first gradient's
-    device, non-zero when some gradient holds an inf or NaN.  No host read.
+    Args:
+        grads: the (summed) gradients, a non-empty list; overwritten.
+        scale: the loss scale the step used.
+
+    Returns:
+        ``found_inf``: a float32 tensor of shape (1,) on the first gradient's
+        device, non-zero when some gradient holds an inf or NaN.  No host read.
     """
     # GradScaler's inverse: computed in float64, rounded to float32.
     inv = torch.tensor([scale], dtype=torch.float64).reciprocal().float()
@@ -123,8 +148,17 @@ def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
-def _update(loss_scale: dict[str, torch.Tensor], found_inf: bool, cfg: LossScaling) -> dict[str, torch.Tensor]:
-    """The scaler's next state, by ``torch._amp_update_scale_``'s rules (float64 arithmetic, float32 result)."""
+def next_loss_scale(loss_scale: dict[str, torch.Tensor], found_inf: bool, cfg: LossScaling) -> dict[str, torch.Tensor]:
+    """The scaler's next state, by ``torch._amp_update_scale_``'s rules (float64 arithmetic, float32 result).
+
+    Args:
+        loss_scale: the scaler's state (``TrainState.loss_scale``), not changed.
+        found_inf: whether this step's gradients overflowed on some rank.
+        cfg: the scaler's settings.
+
+    Returns:
+        The new ``{"scale", "growth_tracker"}``, on the devices of the old.
+    """
     scale, tracker = float(loss_scale["scale"]), int(loss_scale["growth_tracker"])
     if found_inf:
         scale, tracker = _f32(scale * cfg.backoff_factor), 0

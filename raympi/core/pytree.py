@@ -13,7 +13,7 @@ from torch.utils import _pytree as _pt
 
 TreeSpec = _pt.TreeSpec
 
-__all__ = ["TreeSpec", "flatten", "unflatten", "map", "leaves", "register_dataclass", "to_arrays", "from_arrays"]
+__all__ = ["TreeSpec", "flatten", "unflatten", "map", "leaves", "tensor_leaves", "register_dataclass", "to_arrays", "from_arrays"]
 
 
 def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:

@@ -30,14 +30,15 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from raympi.core import accumulate as _accumulate, overlap as _overlap, precision as _precision
-from raympi.core.batch import Batch, _split_batch
+from raympi.core.accumulate import check_accumulate, micro_batches
+from raympi.core.batch import Batch, split_batch
 from raympi.core.evaluate import make_eval_step
-from raympi.core.metrics import RESERVED, MetricFn, Metrics, _check_names, _read, _row
+from raympi.core.metrics import RESERVED, MetricFn, Metrics, StatsLayout, check_metric_names, read_stats, stats_row
 from raympi.core.mode import in_mode
 from raympi.core.optim import GradientTransformation, apply_gradients
-from raympi.core.precision import LossScaling, Precision
-from raympi.core.rng import _seed_generators, _step_seed
+from raympi.core.overlap import Buckets, BucketSync
+from raympi.core.precision import LossScaling, Precision, autocast, check_precision, next_loss_scale, nonfinite_flag, unscale_
+from raympi.core.rng import seed_generators, step_seed
 from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
 
@@ -180,16 +181,16 @@ def make_train_step(
     """
     if on_nonfinite not in ("raise", "skip"):
         raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
-    _precision._check(precision, loss_scaling)
+    check_precision(precision, loss_scaling)
     scaler = (loss_scaling or LossScaling()) if precision == "fp16" else None
-    accumulate = _accumulate._check(accumulate)
+    accumulate = check_accumulate(accumulate)
     metric_fns = dict(metrics or {})
-    names = _check_names(metric_fns, RESERVED, "metrics")
+    layout = StatsLayout(tuple(check_metric_names(metric_fns, RESERVED, "metrics")), overflow_flags=bool(scaler))
     trainable = set(_trainable(model))
     # Only real buffers can be written by the forward pass (frozen params cannot).
     mutable = {n for n, _ in model.named_buffers()}
     overlapped = overlap and grad_sync is not None
-    if overlapped and not isinstance(grad_sync, _overlap.BucketSync):
+    if overlapped and not isinstance(grad_sync, BucketSync):
         raise ConfigError("overlap=True needs a grad_sync with bucket_bytes, start, finish and abandon "
                           "(raympi.core.overlap.BucketSync, e.g. raympi.comm.buckets.BucketAllreduce)")
 
@@ -200,12 +201,12 @@ def make_train_step(
         if watch is not None:
             watch(leaves)
         with torch.enable_grad():
-            with _precision._autocast(precision, device_type):
+            with autocast(precision, device_type):
                 outputs = functional_call(model, (leaves, buffers), args, kwargs)
                 loss = loss_fn(outputs, targets)
             _check_loss(loss)
             with torch.no_grad():
-                row, classify = _row(loss, outputs, targets, n, metric_fns, names)
+                row, classify = stats_row(loss, outputs, targets, n, metric_fns, layout)
             # Differentiate this batch's share of the global mean, times the loss scale;
             # in float32 at least, as GradScaler does: an fp16 loss times 2**16 overflows.
             scaled = loss.to(torch.promote_types(loss.dtype, torch.float32)) * factor
@@ -218,7 +219,7 @@ def make_train_step(
     def train_step(
         state: TrainState, batch: Batch, global_batch_size: Optional[int] = None
     ) -> tuple[TrainState, Metrics]:
-        args, kwargs, targets, n = _split_batch(batch)
+        args, kwargs, targets, n = split_batch(batch)
         if set(state.params) != trainable:
             raise TrainingError(
                 "state.params does not match the model's trainable parameters: missing "
@@ -236,13 +237,13 @@ def make_train_step(
         device = next(iter(state.params.values())).device
         cuda = sorted({t.device.index or 0 for t in state.params.values() if t.device.type == "cuda"})
         with in_mode(model, True), torch.random.fork_rng(devices=cuda):
-            _seed_generators(_step_seed(seed, step, rank), cuda)
+            seed_generators(step_seed(seed, step, rank), cuda)
             grads = stats = None
-            micros = _accumulate._micro_batches(args, kwargs, targets, n, accumulate)
+            micros = micro_batches(args, kwargs, targets, n, accumulate)
             for i, micro in enumerate(micros):
                 factor = micro[3] / global_n * scale
                 if overlapped and i == len(micros) - 1:  # the last backward sums its buckets as it goes
-                    with _overlap.Buckets(state.params, grad_sync, grads, bool(scaler)) as buckets:
+                    with Buckets(state.params, grad_sync, grads, bool(scaler)) as buckets:
                         g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type, buckets.watch)
                         grads, stats = buckets.finish(g, row if stats is None else stats + row)
                     break
@@ -256,7 +257,7 @@ def make_train_step(
 
         if not overlapped:  # (overlapped, the buckets have summed both already)
             if scaler:  # every rank learns whether any rank overflowed: the flags add up
-                stats = torch.cat([stats, _precision._nonfinite(list(grads.values())).to(stats.device)])
+                stats = torch.cat([stats, nonfinite_flag(list(grads.values())).to(stats.device)])
             tree = {"grads": grads, "stats": stats}
             if grad_sync is not None:
                 synced = grad_sync(tree)
@@ -264,10 +265,9 @@ def make_train_step(
             grads, stats = tree["grads"], tree["stats"]
         readout = stats
         if scaler:  # unscale the sum, as GradScaler after DDP's allreduce, and check it too
-            found = _precision._unscale_(list(grads.values()), scale)
+            found = unscale_(list(grads.values()), scale)
             readout = torch.cat([readout, found.to(readout.device, torch.float64)])
-        values = readout.tolist()  # the step's one host read
-        metrics, loss_sum = _read(values, names, classify)
+        metrics, loss_sum, overflow = read_stats(readout.tolist(), layout, classify)  # the step's one host read
 
         if global_batch_size is not None and metrics["samples"] != global_n:
             raise TrainingError(
@@ -275,11 +275,10 @@ def make_train_step(
                 f"{global_n}: pass the size of the whole step's batch over all ranks"
             )
         finite = math.isfinite(loss_sum)
-        overflow = bool(scaler) and (values[-2] > 0 or values[-1] > 0)
         new: dict[str, Any] = {"step": state.step + 1}
         if scaler:
             metrics["loss_scale"] = scale
-            new["loss_scale"] = _precision._update(loss_scale, overflow, scaler)
+            new["loss_scale"] = next_loss_scale(loss_scale, overflow, scaler)
         if not finite and not overflow and on_nonfinite == "raise":
             raise NonFiniteLossError(
                 f"the loss is {metrics['loss']} at step {step}. Lower the learning rate, clip "
