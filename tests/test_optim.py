@@ -126,10 +126,10 @@ def test_from_torch_schedule_and_state_shape():
     opt = optim.from_torch(torch.optim.Adam, lr=optim.constant(1e-2))
     params = {"w": torch.ones(3)}
     state = opt.init(params)
-    assert state["state"] == {}  # torch creates its state lazily
+    assert type(state) is optim.FromTorchState and state.state == {}  # torch creates its state lazily
     _, state = opt.update({"w": torch.ones(3)}, state, params)
-    assert set(state["state"]["w"]) == {"step", "exp_avg", "exp_avg_sq"}
-    assert int(state["count"]) == 1
+    assert set(state.state["w"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert int(state.count) == 1
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -241,15 +241,15 @@ def test_building_blocks_state_and_purity():
     params = {"a": torch.randn(4, 3), "b": torch.randn(3)}
     grads = {"a": torch.randn(4, 3), "b": torch.randn(3)}
     state = opt.init(params)
-    assert set(state[0]) == {"count", "mu", "nu"} and state[1] == {} and set(state[2]) == {"count"}
+    assert state[0]._fields == ("count", "mu", "nu") and state[1] == optim.EmptyState() and state[2]._fields == ("count",)
     snapshot = [t.clone() for t in pytree.tensor_leaves((params, grads, state))]
     _, new_state = opt.update(grads, state, params)
     assert all(torch.equal(a, b) for a, b in zip(snapshot, pytree.tensor_leaves((params, grads, state))))
-    assert int(new_state[0]["count"]) == 1 and int(new_state[2]["count"]) == 1
+    assert int(new_state[0].count) == 1 and int(new_state[2].count) == 1
     # The first Adam step is g / (|g| + eps): all updates of magnitude ~1.
     updates, _ = optim.scale_by_adam().update(grads, optim.scale_by_adam().init(params))
     torch.testing.assert_close(updates["a"], grads["a"].sign(), rtol=1e-6, atol=1e-6)
-    lr_updates, _ = optim.scale_by_learning_rate(lambda k: 0.5).update(grads, {"count": torch.tensor(3)})
+    lr_updates, _ = optim.scale_by_learning_rate(lambda k: 0.5).update(grads, optim.ScaleByScheduleState(torch.tensor(3)))
     torch.testing.assert_close(lr_updates["b"], -0.5 * grads["b"])
 
 
@@ -377,7 +377,7 @@ def test_set_to_zero_freezes(fused):
         else:
             assert _rel_err(params[n], ref[n].detach()) < 1e-6 and _rel_err(params[n], start[n]) > 1e-3, n
     state = ours.init({n: p.detach() for n, p in _model().named_parameters()})
-    assert set(state["inner_states"]["train"]["trace"]) == {n for n in names if labels[n] == "train"}
+    assert set(state.inner_states["train"].trace) == {n for n in names if labels[n] == "train"}
 
 
 def _grads(step: int, params, bad: bool = False):
@@ -417,7 +417,7 @@ def test_inject_hyperparams_equals_plain_optimizer_and_reports_the_schedule(fuse
             assert all(torch.equal(p1[n], p2[n]) for n in p1)
         else:
             assert all(_rel_err(p1[n], p2[n]) < 1e-6 for n in p1)
-        assert all(torch.equal(a, b) for a, b in zip(pytree.leaves(s1[1]["inner_state"]), pytree.leaves(s2[1])))
+        assert all(torch.equal(a, b) for a, b in zip(pytree.leaves(s1[1].inner_state), pytree.leaves(s2[1])))
         assert optim.current_hyperparams(s1) == {"lr": _SCHED2(step), "weight_decay": 0.1}
     assert optim.current_hyperparams(s2) == {}
 
@@ -426,10 +426,10 @@ def test_inject_hyperparams_numbers_live_in_the_state():
     opt = optim.inject_hyperparams(optim.sgd)(0.1, momentum=0.9, nesterov=True)
     params = _start()
     state = opt.init(params)
-    assert set(state["hyperparams"]) == {"lr", "momentum"}  # nesterov (a bool) is static
-    assert set(optim.inject_hyperparams(optim.adamw)(lr=_SCHED2, mask=_decay).init(params)["hyperparams"]) == {"lr"}
+    assert set(state.hyperparams) == {"lr", "momentum"}  # nesterov (a bool) is static
+    assert set(optim.inject_hyperparams(optim.adamw)(lr=_SCHED2, mask=_decay).init(params).hyperparams) == {"lr"}
     params, state = optim.apply_gradients(opt, _grads(0, params), state, params)
-    state["hyperparams"]["lr"] = torch.tensor(0.0, dtype=torch.float64)  # overwritten: the next step is void
+    state.hyperparams["lr"] = torch.tensor(0.0, dtype=torch.float64)  # overwritten: the next step is void
     frozen, _ = optim.apply_gradients(opt, _grads(1, params), state, params)
     assert all(torch.equal(frozen[n], params[n]) for n in params)
     # **kwargs factories: from_torch's class stays static, its numbers are injected.
@@ -488,16 +488,16 @@ def test_apply_if_finite_skips_nonfinite_steps(fused):
         p1, s1 = step(guarded, _grads(k, p1, bad=k in bad_steps), s1, p1)
         if k in (3, 6, 7):  # skipped: parameters and Adam's state as they were
             assert all(torch.equal(p1[n], before[n]) for n in p1)
-            assert all(torch.equal(a, b) for a, b in zip(pytree.leaves(s1["inner_state"]), pytree.leaves(s2)))
+            assert all(torch.equal(a, b) for a, b in zip(pytree.leaves(s1.inner_state), pytree.leaves(s2)))
         elif k == 8:  # a third non-finite step in a row is applied (max_consecutive_errors=2)
-            assert torch.isnan(p1["b"]).any() and int(s1["inner_state"]["count"]) == 6
+            assert torch.isnan(p1["b"]).any() and int(s1.inner_state.count) == 6
         else:
             p2, s2 = step(plain, _grads(k, p2), s2, p2)
             assert all(torch.equal(p1[n], p2[n]) for n in p1)
         expected = {3: (1, False, 1), 4: (0, True, 1), 6: (1, False, 2), 7: (2, False, 3), 8: (3, False, 4)}
         streak, last, total = expected.get(k, (0, True, 1 if 3 < k < 6 else 0))
-        assert int(s1["notfinite_count"]) == streak and bool(s1["last_finite"]) == last
-        assert int(s1["total_notfinite"]) == total
+        assert int(s1.notfinite_count) == streak and bool(s1.last_finite) == last
+        assert int(s1.total_notfinite) == total
 
 
 WRAPPED = {

@@ -136,7 +136,7 @@ def test_fp16_200_steps_follow_gradscaler(device, opt_name):
     assert grew > 5 and min(scales) < CFG.init_scale < max(scales)  # both directions exercised
     assert int(state.step) == 200  # the loop's step advances on skipped steps...
     if opt_name == "adam":  # ...the optimizer's count does not, as torch.optim.Adam's under GradScaler
-        assert int(state.opt_state["count"]) == 200 - sum(skipped)
+        assert int(state.opt_state.count) == 200 - sum(skipped)
         assert all(int(ref_opt.state[p]["step"]) == 200 - sum(skipped) for p in ref.parameters())
     _close(state, ref, 1e-5)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from raympi.core import pytree
-from raympi.core.optim import GradientTransformation
+from raympi.core.optim import GradientTransformation, from_plain, to_plain
 from raympi.core.precision import LossScaling
 from raympi.exceptions import ConfigError
 
@@ -40,8 +40,8 @@ class TrainState:
         buffers: everything else the model reads: its buffers (BatchNorm
             running statistics, updated by the forward pass) and any frozen
             parameters (``requires_grad=False``).
-        opt_state: the optimizer state, a plain tree of dicts / tuples /
-            tensors (see :mod:`raympi.optim`).
+        opt_state: the optimizer state, a tree of the optimizer's state
+            NamedTuples, tuples, dicts and tensors (see :mod:`raympi.optim`).
         step: steps taken so far, a 0-d int64 tensor.
         rng_seed: the run's seed, a 0-d int64 tensor; ``train_step`` derives
             each step's dropout seed from it and ``step``.
@@ -123,23 +123,29 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The state as plain dicts, tuples and tensors, for ``torch.save``.
+        """The state as plain dicts, tuples, tensors and strings, for ``torch.save``.
 
-        The result loads back with ``torch.load(..., weights_only=True)``; the
-        tensors are shared, not copied.
+        The optimizer state's NamedTuples become dicts of their fields, each
+        naming its type (:func:`raympi.core.optim.to_plain`).  The result loads
+        back with ``torch.load(..., weights_only=True)``, raympi imported or
+        not; the tensors are shared, not copied.
 
         Example:
             >>> torch.save(state.to_dict(), "ckpt.pt")
         """
-        return {f: getattr(self, f) for f in _FIELDS}
+        plain = {f: getattr(self, f) for f in _FIELDS}
+        plain["opt_state"] = to_plain(self.opt_state)
+        return plain
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainState:
         """Rebuild a state from :meth:`to_dict`'s output.
 
-        No optimizer is needed: optimizer states are plain trees already.
-        Dicts saved before a field existed load with its empty value
-        (``loss_scale``: ``{}``).
+        No optimizer is needed: the optimizer state's types are named in it
+        (:func:`raympi.core.optim.from_plain`).  Dicts saved by older versions
+        load too: before a field existed, with its empty value
+        (``loss_scale``: ``{}``); before the optimizer state types, with the
+        optimizer state's dicts turned into them.
 
         Raises:
             ValueError: a field is missing or unknown.
@@ -152,7 +158,9 @@ class TrainState:
             raise ValueError(
                 f"not a TrainState dict: missing {sorted(missing)}, unknown {sorted(extra)}"
             )
-        return cls(**{f: d[f] if f in d else _OPTIONAL[f]() for f in _FIELDS})
+        fields = {f: d[f] if f in d else _OPTIONAL[f]() for f in _FIELDS}
+        fields["opt_state"] = from_plain(fields["opt_state"])
+        return cls(**fields)
 
 
 pytree.register_dataclass(TrainState, _FIELDS)

@@ -246,6 +246,8 @@ def _optimizer_layout(optimizer: Any, model: torch.nn.Module) -> Any:
         return None
 
     def layout(x: Any) -> Any:
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a state NamedTuple: its fields, as older manifests have them
+            x = dict(zip(x._fields, x))
         if isinstance(x, dict) and x and set(x) <= set(trainable):  # one entry per parameter: which ones, not each
             return "per parameter" if len(x) == len(trainable) else {"per parameter": sorted(x)}
         if isinstance(x, dict):

@@ -21,10 +21,15 @@ point.
   caller that drops the old state anyway: no second copy of the parameters
   and optimizer state, and no fresh allocations (which on the CPU cost page
   faults every step).  The default never mutates anything.
-* Optimizer states are plain ``dict`` / ``tuple`` trees of tensors (no custom
-  classes), so they go through ``torch.save`` / ``torch.load(weights_only=True)``
-  and ``torch.utils._pytree`` unchanged.  Step counters are 0-d int64 tensors
-  kept on the CPU: reading them for a schedule never waits on an accelerator.
+* Each transformation keeps its own small NamedTuple state, as optax's
+  (``adam``: :class:`ScaleByAdamState` ``(count, mu, nu)``; a :func:`chain`:
+  the tuple of its parts'; see :mod:`~raympi.core.optim.states`).  States are
+  trees of tensors: they flatten through :mod:`raympi.core.pytree`, and
+  ``TrainState.to_dict`` saves them as plain dicts that
+  ``torch.load(weights_only=True)`` reads (:func:`to_plain` /
+  :func:`from_plain`, which also reads the dicts of older checkpoints).  Step
+  counters are 0-d int64 tensors kept on the CPU: reading them for a schedule
+  never waits on an accelerator.
 * The arithmetic runs on whole lists of tensors with torch's multi-tensor
   ``torch._foreach_*`` kernels, as ``torch.optim`` does with ``foreach=True``.
 * A learning rate is a float or a *schedule*: a callable ``count -> lr``
@@ -40,7 +45,9 @@ point.
   :func:`apply_if_finite` skips steps with non-finite gradients.
 
 Layout, as optax's ``_src``: :mod:`~raympi.core.optim.base` (the interface,
-:func:`apply_gradients`, :func:`chain`), :mod:`~raympi.core.optim.transform`
+:func:`apply_gradients`, :func:`chain`), :mod:`~raympi.core.optim.states`
+(the state types, :func:`find_states`, the plain form of checkpoints),
+:mod:`~raympi.core.optim.transform`
 (building blocks: :func:`clip_by_global_norm`, :func:`scale_by_adam`,
 :func:`add_decayed_weights`, :func:`scale_by_learning_rate`, from which
 ``adam`` and ``adamw`` can be rebuilt as chains, and :func:`ema`),
@@ -76,6 +83,21 @@ from raympi.core.optim.base import (
 )
 from raympi.core.optim.partition import masked, multi_transform, set_to_zero
 from raympi.core.optim.schedule import constant, cosine_decay, linear_warmup
+from raympi.core.optim.states import (
+    ApplyIfFiniteState,
+    EmaState,
+    EmptyState,
+    FromTorchState,
+    InjectHyperparamsState,
+    MaskedState,
+    MultiTransformState,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    TraceState,
+    find_states,
+    from_plain,
+    to_plain,
+)
 from raympi.core.optim.transform import (
     add_decayed_weights,
     clip_by_global_norm,
@@ -91,4 +113,7 @@ __all__ = [
     "sgd", "adam", "adamw", "clip_by_global_norm", "from_torch", "constant", "cosine_decay", "linear_warmup",
     "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate", "masked", "multi_transform", "set_to_zero",
     "inject_hyperparams", "current_hyperparams", "ema", "ema_params", "apply_if_finite",
+    "EmptyState", "ScaleByScheduleState", "TraceState", "ScaleByAdamState", "EmaState", "FromTorchState",
+    "MaskedState", "MultiTransformState", "InjectHyperparamsState", "ApplyIfFiniteState",
+    "find_states", "to_plain", "from_plain",
 ]

@@ -14,19 +14,11 @@ import torch
 
 from raympi.core import pytree
 from raympi.core.optim.base import (
-    GradientTransformation,
-    ScalarOrSchedule,
-    _adam_init,
-    _adam_moments,
-    _check_betas,
-    _check_nonneg,
-    _clone,
-    _from_fused,
-    _lr_at,
-    _new_count,
-    _per_param,
-    _scale,
+    GradientTransformation, ScalarOrSchedule, check_betas, check_nonneg, clone_tree, from_fused, lr_at, new_count,
+    per_param, scaled,
 )
+from raympi.core.optim.states import FromTorchState, ScaleByAdamState, ScaleByScheduleState, TraceState
+from raympi.core.optim.transform import adam_init, adam_moments
 
 __all__ = ["sgd", "adam", "adamw", "from_torch"]
 
@@ -44,7 +36,9 @@ def sgd(
 ) -> GradientTransformation:
     """Stochastic gradient descent, matching ``torch.optim.SGD`` (dampening 0).
 
-    State: ``{"count"}``, plus ``{"trace"}`` (the momentum buffers) with momentum.
+    State: :class:`~raympi.core.optim.states.ScaleByScheduleState` ``(count)``;
+    with momentum :class:`~raympi.core.optim.states.TraceState` ``(count, trace)``
+    (``trace``: the momentum buffers).
 
     Args:
         lr: learning rate, a float or a schedule.
@@ -58,37 +52,37 @@ def sgd(
     Example:
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     """
-    _check_nonneg("lr", lr)
-    _check_nonneg("momentum", momentum)
-    _check_nonneg("weight_decay", weight_decay)
+    check_nonneg("lr", lr)
+    check_nonneg("momentum", momentum)
+    check_nonneg("weight_decay", weight_decay)
     if nesterov and momentum == 0:
         raise ValueError("nesterov=True needs momentum > 0")
 
     def init(params):
-        state = {"count": _new_count()}
         if momentum:
             # Zeros make the first step buf = g, exactly torch's lazily made buffer.
-            state["trace"] = pytree.map(torch.zeros_like, params)
-        return state
+            return TraceState(new_count(), pytree.map(torch.zeros_like, params))
+        return ScaleByScheduleState(new_count())
 
     def fused_apply(grads, state, params, donate=False):
         g, spec = pytree.flatten(grads)
         p = pytree.leaves(params)
-        value = _lr_at(lr, state["count"])
-        new_state = {"count": state["count"] + 1}
+        value = lr_at(lr, state.count)
+        count = state.count + 1
+        new_state: ScaleByScheduleState | TraceState = ScaleByScheduleState(count)
         if weight_decay:
             g = torch._foreach_add(g, p, alpha=weight_decay)
         if momentum:
-            buf = _scale(pytree.leaves(state["trace"]), momentum, donate)
+            buf = scaled(pytree.leaves(state.trace), momentum, donate)
             torch._foreach_add_(buf, g)  # buf is fresh or donated: in place is safe
-            new_state["trace"] = pytree.unflatten(buf, spec)
+            new_state = TraceState(count, pytree.unflatten(buf, spec))
             g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
         if donate:
             torch._foreach_add_(p, g, alpha=-value)
             return params, new_state
         return pytree.unflatten(list(torch._foreach_add(p, g, alpha=-value)), spec), new_state
 
-    return _from_fused(init, fused_apply)
+    return from_fused(init, fused_apply)
 
 
 def _adam(
@@ -96,48 +90,48 @@ def _adam(
 ) -> GradientTransformation:
     """Adam (L2 weight decay) or AdamW (decoupled, on the parameters ``mask`` picks), as ``torch.optim.Adam``.
 
-    State ``{"count", "mu", "nu"}``.
+    State :class:`~raympi.core.optim.states.ScaleByAdamState` ``(count, mu, nu)``.
     """
     b1, b2 = betas
-    _check_nonneg("lr", lr)
-    _check_nonneg("weight_decay", weight_decay)
-    _check_betas(b1, b2)
+    check_nonneg("lr", lr)
+    check_nonneg("weight_decay", weight_decay)
+    check_betas(b1, b2)
 
     def fused_apply(grads, state, params, donate=False):
         g, spec = pytree.flatten(grads)
         p = pytree.leaves(params)
-        value = _lr_at(lr, state["count"])
-        count = state["count"] + 1
+        value = lr_at(lr, state.count)
+        count = state.count + 1
         t = int(count)
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
-        mu, nu, denom, bc1 = _adam_moments(
-            g, pytree.leaves(state["mu"]), pytree.leaves(state["nu"]), b1, b2, eps, t, donate
+        mu, nu, denom, bc1 = adam_moments(
+            g, pytree.leaves(state.mu), pytree.leaves(state.nu), b1, b2, eps, t, donate
         )
         if weight_decay and decoupled and mask is not None:
             # torch.optim.AdamW with a weight_decay=0 group for the others: their ``p`` is not scaled at all.
-            picked = _per_param(mask, params, "adamw's mask")
+            picked = per_param(mask, params, "adamw's mask")
             decayed = [i for i, n in enumerate(params) if picked[n]]
             new = list(p)
             if decayed:  # the foreach kernels refuse empty lists
-                for i, q in zip(decayed, _scale([p[i] for i in decayed], 1 - value * weight_decay, donate)):
+                for i, q in zip(decayed, scaled([p[i] for i in decayed], 1 - value * weight_decay, donate)):
                     new[i] = q
             if donate:
                 torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
             else:  # some of ``new`` are still the caller's tensors
                 new = list(torch._foreach_addcdiv(new, mu, denom, value=-value / bc1))
         elif weight_decay and decoupled:
-            new = _scale(p, 1 - value * weight_decay, donate)
+            new = scaled(p, 1 - value * weight_decay, donate)
             torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
         elif donate:
             new = p
             torch._foreach_addcdiv_(new, mu, denom, value=-value / bc1)
         else:
             new = list(torch._foreach_addcdiv(p, mu, denom, value=-value / bc1))
-        new_state = {"count": count, "mu": pytree.unflatten(mu, spec), "nu": pytree.unflatten(nu, spec)}
+        new_state = ScaleByAdamState(count, pytree.unflatten(mu, spec), pytree.unflatten(nu, spec))
         return pytree.unflatten(new, spec), new_state
 
-    return _from_fused(_adam_init, fused_apply)
+    return from_fused(adam_init, fused_apply)
 
 
 def adam(
@@ -148,7 +142,7 @@ def adam(
 ) -> GradientTransformation:
     """Adam, matching ``torch.optim.Adam`` (``weight_decay`` is L2 on the gradient).
 
-    State: ``{"count", "mu", "nu"}``.
+    State: :class:`~raympi.core.optim.states.ScaleByAdamState` ``(count, mu, nu)``.
 
     Args:
         lr: learning rate, a float or a schedule.
@@ -204,7 +198,8 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Gra
     ``updates = new - old`` from ``update``) with the optimizer's new
     per-parameter state.  That keeps the surface pure at the price of copies
     and Python work per step: expect it to be slower than the native
-    optimizers.  State: ``{"count", "state": {name: {...}}}``, where the
+    optimizers.  State: :class:`~raympi.core.optim.states.FromTorchState`
+    ``(count, state)``, ``state`` a dict ``{name: {...}}`` whose
     per-parameter dicts are what the optimizer keeps in ``optimizer.state``
     (empty until the first update, because torch creates them lazily).  An
     ``lr`` keyword may be a schedule.  Parameters must be a flat dict; one
@@ -227,7 +222,7 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Gra
     def init(params):
         if not isinstance(params, dict):
             raise TypeError("from_torch needs params as a flat dict name -> tensor")
-        return {"count": _new_count(), "state": {}}
+        return FromTorchState(new_count(), {})
 
     def fused_apply(grads, state, params, donate=False):
         # Always works on copies: donation would save little next to the rest.
@@ -235,18 +230,18 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Gra
         copies = [params[n].detach().clone() for n in names]
         ctor = dict(kwargs)
         if callable(lr):
-            ctor["lr"] = _lr_at(lr, state["count"])
+            ctor["lr"] = lr_at(lr, state.count)
         opt = optimizer_cls(copies, **ctor)
-        if state["state"]:
+        if state.state:
             sd = opt.state_dict()
             # Clone: load_state_dict keeps tensors that already match, and step()
             # would then write into the caller's state.
-            sd["state"] = {i: _clone(state["state"][n]) for i, n in enumerate(names) if n in state["state"]}
+            sd["state"] = {i: clone_tree(state.state[n]) for i, n in enumerate(names) if n in state.state}
             opt.load_state_dict(sd)
         for p, n in zip(copies, names):
             p.grad = grads[n].detach().clone()  # a copy: some optimizers write into .grad
         opt.step()
         new_state = {n: dict(opt.state[p]) for p, n in zip(copies, names) if opt.state[p]}
-        return dict(zip(names, copies)), {"count": state["count"] + 1, "state": new_state}
+        return dict(zip(names, copies)), FromTorchState(state.count + 1, new_state)
 
-    return _from_fused(init, fused_apply)
+    return from_fused(init, fused_apply)

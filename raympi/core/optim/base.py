@@ -2,9 +2,9 @@
 
 The base of ``raympi.core.optim`` (as optax's ``_src/base.py``): the
 ``(init, update, fused_apply)`` triple, the type aliases, :func:`apply_updates`,
-:func:`apply_gradients` and :func:`chain`, plus the private helpers that the
-optimizers of :mod:`~raympi.core.optim.alias` are built from.  Torch alone,
-no Ray or MPI.
+:func:`apply_gradients` and :func:`chain`, plus the small helpers the
+transformations of the sibling modules are built from (counters, learning
+rates, argument checks).  Torch alone, no Ray or MPI.
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ import torch
 
 from raympi.core import pytree
 
-__all__ = ["GradientTransformation", "Schedule", "ScalarOrSchedule", "apply_updates", "apply_gradients", "chain"]
+__all__ = [
+    "GradientTransformation", "Schedule", "ScalarOrSchedule", "Params", "Updates", "OptState", "FusedApply",
+    "apply_updates", "apply_gradients", "chain",
+    "new_count", "lr_at", "scaled", "check_nonneg", "check_betas", "per_param", "clone_tree", "from_fused",
+]
 
 Params = Any  # a tree of tensors (raympi uses a flat dict name -> tensor)
 Updates = Any  # a tree of the same structure as the parameters
-OptState = Any  # a tree of dicts / tuples / tensors
+OptState = Any  # a tree of state NamedTuples (raympi.core.optim.states), tuples, dicts and tensors
 Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
 FusedApply = Callable[[Updates, OptState, Params, bool], tuple[Params, OptState]]
@@ -44,67 +48,65 @@ class GradientTransformation(NamedTuple):
 
 
 # --------------------------------------------------------------------------- helpers
+# Shared by the optimizers of alias, transform, partition and wrappers.
 
 
-def _new_count() -> torch.Tensor:
-    # On the CPU on purpose: schedules and bias corrections read it as a Python
-    # number every step, which must not synchronise with a GPU.
+def new_count() -> torch.Tensor:
+    """A fresh step counter: a 0-d int64 zero on the CPU.
+
+    On the CPU on purpose: schedules and bias corrections read it as a Python
+    number every step, which must not synchronise with a GPU.
+    """
     return torch.zeros((), dtype=torch.int64)
 
 
-def _lr_at(lr: ScalarOrSchedule, count: torch.Tensor) -> float:
+def lr_at(lr: ScalarOrSchedule, count: torch.Tensor) -> float:
+    """The learning rate of step ``count`` (from 0): ``lr(count)`` for a schedule, else ``lr``."""
     return float(lr(int(count))) if callable(lr) else float(lr)
 
 
-def _scale(xs: list[torch.Tensor], factor: float, donate: bool) -> list[torch.Tensor]:
-    """``xs * factor``, in place when the caller donated ``xs``."""
+def scaled(xs: list[torch.Tensor], factor: float, donate: bool) -> list[torch.Tensor]:
+    """``xs * factor``: new tensors, or ``xs`` multiplied in place when the caller donated them."""
     if donate:
         torch._foreach_mul_(xs, factor)
         return xs
     return list(torch._foreach_mul(xs, factor))
 
 
-def _check_nonneg(name: str, value: Any) -> None:
+def check_nonneg(name: str, value: Any) -> None:
+    """Refuse a negative hyperparameter (a schedule passes).
+
+    Raises:
+        ValueError: ``value < 0``, naming ``name``.
+    """
     if not callable(value) and value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-def _check_betas(b1: float, b2: float) -> None:
+def check_betas(b1: float, b2: float) -> None:
+    """Refuse Adam decay rates outside [0, 1).
+
+    Raises:
+        ValueError: either lies outside.
+    """
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         raise ValueError(f"betas must lie in [0, 1), got {(b1, b2)}")
 
 
-def _adam_init(params: Params) -> OptState:
-    """The state of Adam and its kin: ``{"count", "mu", "nu"}``, moments zero."""
-    return {"count": _new_count(), "mu": pytree.map(torch.zeros_like, params), "nu": pytree.map(torch.zeros_like, params)}
+def per_param(spec: Any, params: Params, what: str) -> dict:
+    """A per-parameter setting evaluated for the flat dict ``params``.
 
+    Args:
+        spec: a dict name -> value, or a callable ``params -> dict``.
+        params: the parameters (or gradients), a flat dict name -> tensor.
+        what: the setting's name, for the error messages.
 
-def _adam_moments(
-    g: list[torch.Tensor], mu: list[torch.Tensor], nu: list[torch.Tensor],
-    b1: float, b2: float, eps: float, t: int, donate: bool,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], float]:
-    """Adam's step ``t`` (from 1) as ``torch.optim.Adam`` computes it: ``(mu, nu, denom, 1 - b1**t)``.
+    Returns:
+        The dict name -> value (it may hold more names than ``params``).
 
-    ``denom = sqrt(nu) / sqrt(1 - b2**t) + eps``; the step is then
-    ``(mu / denom) / (1 - b1**t)``.  ``mu`` and ``nu`` are updated in place
-    when donated, else copied.
+    Raises:
+        TypeError: ``params`` is not a dict.  ValueError: a parameter has no entry.
     """
-    if donate:
-        torch._foreach_lerp_(mu, g, 1 - b1)
-    else:
-        mu = list(torch._foreach_lerp(mu, g, 1 - b1))
-    nu = _scale(nu, b2, donate)
-    torch._foreach_addcmul_(nu, g, g, value=1 - b2)  # nu is fresh or donated
-    # Bias corrections as Python floats, as torch does when not capturable.
-    bc1, bc2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
-    denom = torch._foreach_sqrt(nu)
-    torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, eps)
-    return mu, nu, denom, bc1
-
-
-def _per_param(spec: Any, params: Params, what: str) -> dict:
-    """``spec`` (a dict name -> value, or a callable ``params -> dict``) evaluated for the flat dict ``params``."""
     if not isinstance(params, dict):
         raise TypeError(f"{what} needs params as a flat dict name -> tensor, got {type(params).__name__}")
     values = spec(params) if callable(spec) else spec
@@ -114,33 +116,21 @@ def _per_param(spec: Any, params: Params, what: str) -> dict:
     return values
 
 
-def _clone(tree: Any) -> Any:
+def clone_tree(tree: Any) -> Any:
     """A copy of ``tree`` with every tensor leaf cloned (so a later donation cannot reach the original)."""
     return pytree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
-def _find_states(tree: Any, keys: frozenset[str], path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
-    """The dicts of an optimizer state tree whose keys are exactly ``keys``, outermost first, with their paths.
+def from_fused(init: Callable[[Params], OptState], fused: FusedApply) -> GradientTransformation:
+    """A transformation defined by its fused form; its ``update`` returns ``new - params``.
 
-    States are plain trees, so a wrapper's state is recognised by its keys
-    (``{"count", "hyperparams", "inner_state"}``, ``{"count", "ema"}``).
+    Args:
+        init: ``init(params) -> state``.
+        fused: ``(grads, state, params, donate) -> (new_params, new_state)``.
+
+    Returns:
+        The :class:`GradientTransformation` ``(init, update, fused)``.
     """
-    found: list[tuple[tuple[str, ...], dict]] = []
-    if isinstance(tree, dict):
-        if set(tree) == keys:
-            found.append((path, tree))
-        items = [(str(k), v) for k, v in tree.items()]
-    elif isinstance(tree, (tuple, list)):
-        items = [(str(i), v) for i, v in enumerate(tree)]
-    else:
-        return found
-    for key, value in items:
-        found.extend(_find_states(value, keys, (*path, key)))
-    return found
-
-
-def _from_fused(init: Callable[[Params], OptState], fused: FusedApply) -> GradientTransformation:
-    """A transformation defined by its fused form; ``update`` returns ``new - params``."""
 
     def update(grads, state, params=None):
         if params is None:

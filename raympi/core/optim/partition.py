@@ -5,8 +5,9 @@ optax's ``masked`` and ``multi_transform``): no weight decay on biases and
 norms, a larger learning rate for a head, frozen layers.  Parameters are a
 flat dict name -> tensor (``TrainState.params``); which parameter goes where
 is static, decided by a dict or a callable evaluated on the parameters, and
-lives in the closure, never in the state, so states stay plain trees of
-tensors.  Each group runs through :func:`~raympi.core.optim.apply_gradients`
+lives in the closure, never in the state, so states stay trees of tensors
+(:class:`~raympi.core.optim.states.MaskedState`,
+:class:`~raympi.core.optim.states.MultiTransformState`).  Each group runs through :func:`~raympi.core.optim.apply_gradients`
 on its own sub-dict, so an inner optimizer with a ``fused_apply`` keeps its
 fast path and ``donate`` still writes in place.
 """
@@ -18,7 +19,8 @@ from typing import Any, Callable, Mapping, Union
 import torch
 
 from raympi.core import pytree
-from raympi.core.optim.base import GradientTransformation, _per_param, apply_gradients
+from raympi.core.optim.base import GradientTransformation, apply_gradients, per_param
+from raympi.core.optim.states import EmptyState, MaskedState, MultiTransformState
 
 __all__ = ["masked", "multi_transform", "set_to_zero"]
 
@@ -28,12 +30,12 @@ Labels = Union[Mapping[str, str], Callable[[dict], Mapping[str, str]]]
 
 def _identity() -> GradientTransformation:
     """Updates pass through unchanged: the part of a :func:`masked` tree its inner transformation skips."""
-    return GradientTransformation(lambda params: {}, lambda grads, state, params=None: (grads, state))
+    return GradientTransformation(lambda params: EmptyState(), lambda grads, state, params=None: (grads, state))
 
 
 def _groups(labels: Any, tree: dict, transforms: Mapping[Any, GradientTransformation], what: str) -> dict:
     """``{label: [names]}`` for every label of ``transforms``, in the order of ``tree``."""
-    of = _per_param(labels, tree, what)
+    of = per_param(labels, tree, what)
     groups: dict[Any, list[str]] = {label: [] for label in transforms}
     for name in tree:
         if of[name] not in groups:
@@ -79,7 +81,8 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     ``inner`` (its incoming update is returned as is), so in a :func:`chain`
     the rest of the chain still trains it.  To freeze parameters use
     :func:`multi_transform` with :func:`set_to_zero`.  ``inner`` sees (and
-    keeps state for) the selected sub-dict only.  State: ``{"inner_state"}``.
+    keeps state for) the selected sub-dict only.  State:
+    :class:`~raympi.core.optim.states.MaskedState` ``(inner_state)``.
 
     Args:
         inner: the transformation to restrict.
@@ -100,21 +103,21 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     transforms = {True: inner, False: _identity()}
 
     def to_label(tree):
-        return {n: bool(v) for n, v in _per_param(mask, tree, "masked's mask").items()}
+        return {n: bool(v) for n, v in per_param(mask, tree, "masked's mask").items()}
 
     def states(state):
-        return {True: state["inner_state"], False: {}}
+        return {True: state.inner_state, False: EmptyState()}
 
     def init(params):
-        return {"inner_state": _init_groups(transforms, to_label, params, "masked")[True]}
+        return MaskedState(_init_groups(transforms, to_label, params, "masked")[True])
 
     def update(grads, state, params=None):
         updates, new = _step_groups(transforms, to_label, "masked", grads, states(state), params)
-        return updates, {"inner_state": new[True]}
+        return updates, MaskedState(new[True])
 
     def fused_apply(grads, state, params, donate=False):
         new_params, new = _step_groups(transforms, to_label, "masked", grads, states(state), params, donate)
-        return new_params, {"inner_state": new[True]}
+        return new_params, MaskedState(new[True])
 
     return GradientTransformation(init, update, fused_apply)
 
@@ -124,7 +127,8 @@ def multi_transform(transforms: Mapping[str, GradientTransformation], labels: La
 
     As optax's ``multi_transform``: every parameter has one label; each
     transformation sees (and keeps state for) its own sub-dict of parameters.
-    State: ``{"inner_states": {label: state}}``.
+    State: :class:`~raympi.core.optim.states.MultiTransformState`
+    ``(inner_states)``, ``inner_states`` a dict ``{label: state}``.
 
     Args:
         transforms: label (a string) -> transformation; :func:`set_to_zero`
@@ -151,16 +155,16 @@ def multi_transform(transforms: Mapping[str, GradientTransformation], labels: La
     transforms = dict(transforms)
 
     def init(params):
-        return {"inner_states": _init_groups(transforms, labels, params, "multi_transform")}
+        return MultiTransformState(_init_groups(transforms, labels, params, "multi_transform"))
 
     def update(grads, state, params=None):
-        updates, new = _step_groups(transforms, labels, "multi_transform", grads, state["inner_states"], params)
-        return updates, {"inner_states": new}
+        updates, new = _step_groups(transforms, labels, "multi_transform", grads, state.inner_states, params)
+        return updates, MultiTransformState(new)
 
     def fused_apply(grads, state, params, donate=False):
-        inner = state["inner_states"]
+        inner = state.inner_states
         new_params, new = _step_groups(transforms, labels, "multi_transform", grads, inner, params, donate)
-        return new_params, {"inner_states": new}
+        return new_params, MultiTransformState(new)
 
     return GradientTransformation(init, update, fused_apply)
 
@@ -168,7 +172,7 @@ def multi_transform(transforms: Mapping[str, GradientTransformation], labels: La
 def set_to_zero() -> GradientTransformation:
     """Replace the updates by zeros: in :func:`multi_transform`, the parameters of its label stay frozen.
 
-    Stateless (``{}``).
+    Stateless (:class:`~raympi.core.optim.states.EmptyState`).
 
     Returns:
         A :class:`GradientTransformation`.
@@ -180,7 +184,7 @@ def set_to_zero() -> GradientTransformation:
     """
 
     def init(params):
-        return {}
+        return EmptyState()
 
     def update(grads, state, params=None):
         return pytree.map(torch.zeros_like, grads), state

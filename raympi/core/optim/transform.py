@@ -22,13 +22,60 @@ from typing import Any, Optional
 import torch
 
 from raympi.core import pytree
-from raympi.core.optim.base import GradientTransformation, ScalarOrSchedule
-from raympi.core.optim.base import _adam_init, _adam_moments, _check_betas, _check_nonneg, _find_states, _lr_at
-from raympi.core.optim.base import _new_count
+from raympi.core.optim.base import (
+    GradientTransformation, Params, ScalarOrSchedule, check_betas, check_nonneg, lr_at, new_count, scaled,
+)
+from raympi.core.optim.states import EmaState, EmptyState, ScaleByAdamState, ScaleByScheduleState, find_states
 
-__all__ = ["clip_by_global_norm", "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate", "ema", "ema_params"]
+__all__ = [
+    "clip_by_global_norm", "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate", "ema", "ema_params",
+    "adam_init", "adam_moments",
+]
 
-_EMA_KEYS = frozenset({"count", "ema"})
+
+def adam_init(params: Params) -> ScaleByAdamState:
+    """The state of Adam and its kin before the first step: count and moments zero.
+
+    Args:
+        params: the parameter tree.
+
+    Returns:
+        ``ScaleByAdamState(count, mu, nu)``, the moments shaped like ``params``.
+    """
+    return ScaleByAdamState(new_count(), pytree.map(torch.zeros_like, params), pytree.map(torch.zeros_like, params))
+
+
+def adam_moments(
+    g: list[torch.Tensor], mu: list[torch.Tensor], nu: list[torch.Tensor],
+    b1: float, b2: float, eps: float, t: int, donate: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], float]:
+    """Adam's step ``t`` (from 1) as ``torch.optim.Adam`` computes it.
+
+    ``denom = sqrt(nu) / sqrt(1 - b2**t) + eps``; the step is then
+    ``(mu / denom) / (1 - b1**t)``.
+
+    Args:
+        g: the gradients; mu, nu: the moments before the step (updated in
+            place when ``donate``, else copied).
+        b1, b2, eps: Adam's hyperparameters.
+        t: the step, from 1.
+        donate: whether ``mu`` and ``nu`` may be overwritten.
+
+    Returns:
+        ``(mu, nu, denom, 1 - b1**t)``.
+    """
+    if donate:
+        torch._foreach_lerp_(mu, g, 1 - b1)
+    else:
+        mu = list(torch._foreach_lerp(mu, g, 1 - b1))
+    nu = scaled(nu, b2, donate)
+    torch._foreach_addcmul_(nu, g, g, value=1 - b2)  # nu is fresh or donated
+    # Bias corrections as Python floats, as torch does when not capturable.
+    bc1, bc2_sqrt = 1 - b1**t, (1 - b2**t) ** 0.5
+    denom = torch._foreach_sqrt(nu)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    return mu, nu, denom, bc1
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -36,7 +83,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: multiply by
     ``min(1, max_norm / (norm + 1e-6))``.  The factor stays a tensor, so no
-    value is read back to the host.  Stateless (its state is ``{}``).
+    value is read back to the host.  Stateless (:class:`EmptyState`).
 
     Args:
         max_norm: the largest global norm let through.
@@ -52,7 +99,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
 
     def init(params):
-        return {}
+        return EmptyState()
 
     def update(grads, state, params=None):
         g, spec = pytree.flatten(grads)
@@ -73,7 +120,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     bias-corrected first and second moments, computed with the operations
     of ``torch.optim.Adam`` (and of :func:`~raympi.core.optim.adam`).
     Follow it with :func:`scale_by_learning_rate`.  State:
-    ``{"count", "mu", "nu"}``, as :func:`~raympi.core.optim.adam`'s.
+    :class:`ScaleByAdamState` ``(count, mu, nu)``, as :func:`~raympi.core.optim.adam`'s.
 
     Args:
         b1: decay rate of the first moment.
@@ -87,20 +134,20 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         >>> from raympi.core import optim
         >>> opt = optim.chain(scale_by_adam(b2=0.95), optim.scale_by_learning_rate(3e-4))
     """
-    _check_betas(b1, b2)
+    check_betas(b1, b2)
 
     def update(grads, state, params=None):
         g, spec = pytree.flatten(grads)
-        count = state["count"] + 1
-        mu, nu, denom, bc1 = _adam_moments(
-            g, pytree.leaves(state["mu"]), pytree.leaves(state["nu"]), b1, b2, eps, int(count), False
+        count = state.count + 1
+        mu, nu, denom, bc1 = adam_moments(
+            g, pytree.leaves(state.mu), pytree.leaves(state.nu), b1, b2, eps, int(count), False
         )
         updates = torch._foreach_div(mu, denom)
         torch._foreach_div_(updates, bc1)
-        new_state = {"count": count, "mu": pytree.unflatten(mu, spec), "nu": pytree.unflatten(nu, spec)}
+        new_state = ScaleByAdamState(count, pytree.unflatten(mu, spec), pytree.unflatten(nu, spec))
         return pytree.unflatten(list(updates), spec), new_state
 
-    return GradientTransformation(_adam_init, update)
+    return GradientTransformation(adam_init, update)
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -110,7 +157,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     it makes the step ``-lr * (adam + wd * p)``, i.e. AdamW's decoupled
     ``p *= 1 - lr * wd`` (:func:`~raympi.core.optim.adamw`); placed before
     :func:`scale_by_adam` it would be L2 on the gradient instead
-    (:func:`~raympi.core.optim.adam` with ``weight_decay``).  Stateless (``{}``).
+    (:func:`~raympi.core.optim.adam` with ``weight_decay``).  Stateless (:class:`EmptyState`).
     Torch rounds ``1 - lr * wd`` to float32 every step and this chain does
     not, so the two drift apart by about 1e-8 (relative) per step; use
     :func:`~raympi.core.optim.adamw` for torch's exact arithmetic.
@@ -125,10 +172,10 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         >>> from raympi.core import optim
         >>> opt = optim.chain(optim.scale_by_adam(), add_decayed_weights(0.1), optim.scale_by_learning_rate(1e-3))
     """
-    _check_nonneg("weight_decay", weight_decay)
+    check_nonneg("weight_decay", weight_decay)
 
     def init(params):
-        return {}
+        return EmptyState()
 
     def update(grads, state, params=None):
         if params is None:
@@ -145,7 +192,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     """Multiply the updates by ``-lr``: the descent step that ends a :func:`chain`.
 
     With a schedule, step ``k`` (from 0) uses ``lr(k)``, counted in this
-    transformation's state ``{"count"}`` (a CPU counter, as the aliases').
+    transformation's state :class:`ScaleByScheduleState` ``(count)`` (a CPU counter, as the aliases').
 
     Args:
         lr: learning rate, a float or a schedule.
@@ -157,15 +204,15 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
         >>> from raympi.core import optim
         >>> opt = optim.chain(optim.scale_by_adam(), scale_by_learning_rate(optim.cosine_decay(1e-3, 1000)))
     """
-    _check_nonneg("lr", lr)
+    check_nonneg("lr", lr)
 
     def init(params):
-        return {"count": _new_count()}
+        return ScaleByScheduleState(new_count())
 
     def update(grads, state, params=None):
         u, spec = pytree.flatten(grads)
-        value = _lr_at(lr, state["count"])
-        return pytree.unflatten(list(torch._foreach_mul(u, -value)), spec), {"count": state["count"] + 1}
+        value = lr_at(lr, state.count)
+        return pytree.unflatten(list(torch._foreach_mul(u, -value)), spec), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init, update)
 
@@ -182,7 +229,7 @@ def ema(decay: float, debias: bool = False) -> GradientTransformation:
     the parameters seen after each step (weight ``(1 - decay) / (1 - decay**t)``
     at step ``t``, so step 1 sets it to the new parameters).  An optimizer
     before it in the chain runs unfused (its ``update``).  State:
-    ``{"count", "ema"}``; read the average with :func:`ema_params`.
+    :class:`EmaState` ``(count, ema)``; read the average with :func:`ema_params`.
 
     Args:
         decay: the weight of the old average, in [0, 1).
@@ -202,17 +249,17 @@ def ema(decay: float, debias: bool = False) -> GradientTransformation:
         raise ValueError(f"decay must lie in [0, 1), got {decay}")
 
     def init(params):
-        return {"count": _new_count(), "ema": pytree.map(lambda p: p.detach().clone(), params)}
+        return EmaState(new_count(), pytree.map(lambda p: p.detach().clone(), params))
 
-    def track(new: list[torch.Tensor], state, donate: bool):
-        count = state["count"] + 1
+    def track(new: list[torch.Tensor], state: EmaState, donate: bool) -> EmaState:
+        count = state.count + 1
         weight = (1 - decay) / (1 - decay ** int(count)) if debias else 1 - decay
-        e, spec = pytree.flatten(state["ema"])
+        e, spec = pytree.flatten(state.ema)
         if donate:
             torch._foreach_lerp_(e, new, weight)
         else:
             e = list(torch._foreach_lerp(e, new, weight))
-        return {"count": count, "ema": pytree.unflatten(e, spec)}
+        return EmaState(count, pytree.unflatten(e, spec))
 
     def update(grads, state, params=None):
         if params is None:
@@ -247,5 +294,5 @@ def ema_params(opt_state: Any) -> Optional[Any]:
         >>> ema_params(opt.init({"w": torch.ones(2)}))
         {'w': tensor([1., 1.])}
     """
-    found = _find_states(opt_state, _EMA_KEYS)
-    return found[0][1]["ema"] if found else None
+    found = find_states(opt_state, EmaState)
+    return found[0][1].ema if found else None

@@ -5,8 +5,10 @@ the optimizer's hyperparameters (the learning rate a schedule gives now) in
 its state, where :func:`current_hyperparams` finds them for logging and a
 checkpoint keeps them; the second skips steps whose gradients are not
 finite.  Both keep the inner optimizer's ``fused_apply`` through
-:func:`~raympi.core.optim.apply_gradients`, and their states stay plain
-trees of tensors (counters as 0-d CPU tensors).
+:func:`~raympi.core.optim.apply_gradients`; their states
+(:class:`~raympi.core.optim.states.InjectHyperparamsState`,
+:class:`~raympi.core.optim.states.ApplyIfFiniteState`) are trees of tensors
+(counters as 0-d CPU tensors).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from typing import Any, Callable, Iterable
 import torch
 
 from raympi.core import pytree
-from raympi.core.optim.base import GradientTransformation, _clone, _find_states, _new_count, apply_gradients
+from raympi.core.optim.base import GradientTransformation, apply_gradients, clone_tree, new_count
+from raympi.core.optim.states import ApplyIfFiniteState, InjectHyperparamsState, find_states
 
 __all__ = ["inject_hyperparams", "current_hyperparams", "apply_if_finite"]
 
-_INJECTED_KEYS = frozenset({"count", "hyperparams", "inner_state"})
 _ALWAYS_STATIC = frozenset({"mask"})  # adamw's: a callable, not a schedule
 
 
@@ -55,7 +57,8 @@ def inject_hyperparams(
     """Make an optimizer factory keep its hyperparameters in the optimizer state.
 
     ``inject_hyperparams(factory)(**hparams)`` is ``factory(**hparams)`` whose
-    state is ``{"count", "hyperparams": {name: 0-d tensor}, "inner_state"}``.
+    state is :class:`~raympi.core.optim.states.InjectHyperparamsState`
+    ``(count, hyperparams, inner_state)``, ``hyperparams`` a dict ``{name: 0-d tensor}``.
     The hyperparameters are the numbers and schedules among the arguments
     *given* (defaults are left alone), under the factory's own names
     (``lr`` for :func:`~raympi.core.optim.adam` and its kin).  Each step
@@ -90,8 +93,8 @@ def inject_hyperparams(
         static = {n: v for n, v in given.items() if n not in hyper}
 
         def values(state) -> dict[str, Any]:
-            count = int(state["count"])
-            return {n: (float(v(count)) if callable(v) else state["hyperparams"][n].item()) for n, v in hyper.items()}
+            count = int(state.count)
+            return {n: (float(v(count)) if callable(v) else state.hyperparams[n].item()) for n, v in hyper.items()}
 
         def as_tensors(vals: dict[str, Any]) -> dict[str, torch.Tensor]:
             # float64 on the CPU: reading one back gives the very Python float the schedule returned.
@@ -100,21 +103,20 @@ def inject_hyperparams(
 
         def init(params):
             vals = {n: (float(v(0)) if callable(v) else v) for n, v in hyper.items()}
-            return {"count": _new_count(), "hyperparams": as_tensors(vals),
-                    "inner_state": factory(**static, **vals).init(params)}
+            return InjectHyperparamsState(new_count(), as_tensors(vals), factory(**static, **vals).init(params))
 
         def new_state(state, vals, inner_state):
-            return {"count": state["count"] + 1, "hyperparams": as_tensors(vals), "inner_state": inner_state}
+            return InjectHyperparamsState(state.count + 1, as_tensors(vals), inner_state)
 
         def update(grads, state, params=None):
             vals = values(state)
-            updates, inner_state = factory(**static, **vals).update(grads, state["inner_state"], params)
+            updates, inner_state = factory(**static, **vals).update(grads, state.inner_state, params)
             return updates, new_state(state, vals, inner_state)
 
         def fused_apply(grads, state, params, donate=False):
             vals = values(state)
             inner = factory(**static, **vals)
-            new_params, inner_state = apply_gradients(inner, grads, state["inner_state"], params, donate=donate)
+            new_params, inner_state = apply_gradients(inner, grads, state.inner_state, params, donate=donate)
             return new_params, new_state(state, vals, inner_state)
 
         return GradientTransformation(init, update, fused_apply)
@@ -140,11 +142,11 @@ def current_hyperparams(opt_state: Any) -> dict[str, float]:
         >>> current_hyperparams(opt.init({"w": torch.ones(2)}))
         {'lr': 0.1, 'momentum': 0.9}
     """
-    found = _find_states(opt_state, _INJECTED_KEYS)
-    seen = Counter(name for _, state in found for name in state["hyperparams"])
+    found = find_states(opt_state, InjectHyperparamsState)
+    seen = Counter(name for _, state in found for name in state.hyperparams)
     out = {}
     for path, state in found:
-        for name, value in state["hyperparams"].items():
+        for name, value in state.hyperparams.items():
             out[name if seen[name] == 1 else "/".join((*path, name))] = float(value)
     return out
 
@@ -167,8 +169,9 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
     skipped steps in a row, the next non-finite step is applied anyway, so a
     run that keeps diverging fails visibly instead of idling.  Deciding
     reads one value back to the host each step.  State:
-    ``{"notfinite_count", "last_finite", "total_notfinite", "inner_state"}``
-    (consecutive skips, whether the last step was finite, all skips).
+    :class:`~raympi.core.optim.states.ApplyIfFiniteState` ``(notfinite_count,
+    last_finite, total_notfinite, inner_state)`` (consecutive skips, whether
+    the last step was finite, all skips, ``inner``'s state).
 
     Args:
         inner: the optimizer to guard; put this wrapper outermost (or first
@@ -186,32 +189,32 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
         raise ValueError(f"max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
 
     def init(params):
-        return {"notfinite_count": _new_count(), "last_finite": torch.tensor(True), "total_notfinite": _new_count(),
-                "inner_state": inner.init(params)}
+        return ApplyIfFiniteState(new_count(), torch.tensor(True), new_count(), inner.init(params))
 
-    def check(grads, state) -> tuple[bool, dict]:
+    def check(grads, state) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Whether to apply this step, and the new ``(notfinite_count, last_finite, total_notfinite)``."""
         finite = _all_finite(grads)
-        streak = 0 if finite else int(state["notfinite_count"]) + 1
-        counters = {"notfinite_count": torch.tensor(streak, dtype=torch.int64), "last_finite": torch.tensor(finite),
-                    "total_notfinite": state["total_notfinite"] + (0 if finite else 1)}
+        streak = 0 if finite else int(state.notfinite_count) + 1
+        counters = (torch.tensor(streak, dtype=torch.int64), torch.tensor(finite),
+                    state.total_notfinite + (0 if finite else 1))
         return finite or streak > max_consecutive_errors, counters
 
     def update(grads, state, params=None):
         apply, counters = check(grads, state)
         if apply:
-            updates, inner_state = inner.update(grads, state["inner_state"], params)
+            updates, inner_state = inner.update(grads, state.inner_state, params)
         else:  # a copy: the caller may donate the new state while keeping the old one
-            updates, inner_state = pytree.map(torch.zeros_like, grads), _clone(state["inner_state"])
-        return updates, {**counters, "inner_state": inner_state}
+            updates, inner_state = pytree.map(torch.zeros_like, grads), clone_tree(state.inner_state)
+        return updates, ApplyIfFiniteState(*counters, inner_state)
 
     def fused_apply(grads, state, params, donate=False):
         apply, counters = check(grads, state)
         if apply:
-            new_params, inner_state = apply_gradients(inner, grads, state["inner_state"], params, donate=donate)
+            new_params, inner_state = apply_gradients(inner, grads, state.inner_state, params, donate=donate)
         elif donate:
-            new_params, inner_state = params, state["inner_state"]
+            new_params, inner_state = params, state.inner_state
         else:
-            new_params, inner_state = _clone(params), _clone(state["inner_state"])
-        return new_params, {**counters, "inner_state": inner_state}
+            new_params, inner_state = clone_tree(params), clone_tree(state.inner_state)
+        return new_params, ApplyIfFiniteState(*counters, inner_state)
 
     return GradientTransformation(init, update, fused_apply)
