@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raympi.core import optim, pytree
+from raympi.core.metrics import StatsLayout, read_stats, stats_row
 from raympi.core.precision import LossScaling
 from raympi.core.state import TrainState
 from raympi.core.rng import step_seed
@@ -230,6 +231,23 @@ def test_user_metrics_are_global_means(accumulate):
     assert m0["abs_out"] == pytest.approx(out.abs().mean().item(), rel=1e-6)
     assert m0["p_true"] == pytest.approx(out.softmax(1)[torch.arange(total), y].mean().item(), rel=1e-6)
     assert m0["loss"] == pytest.approx(F.cross_entropy(out, y).item(), rel=1e-6)
+
+
+def test_stats_row_layout_names_every_index():
+    """The statistics row is read by name: StatsLayout says which index holds what, fp16's flags included."""
+    layout = StatsLayout(("mae", "r2"), overflow_flags=True)
+    assert (layout.LOSS_SUM, layout.CORRECT, layout.SAMPLES, layout.TARGETS) == (0, 1, 2, 3)
+    assert (layout.metric("mae"), layout.metric("r2"), layout.rank_overflows, layout.sum_overflow) == (4, 5, 6, 7)
+    outputs, targets = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 3.0]]), torch.tensor([0, 1, 1, 1])
+    fns = {"mae": lambda o, t: torch.tensor(0.5), "r2": lambda o, t: torch.tensor(0.25)}
+    row, classify = stats_row(torch.tensor(1.5), outputs, targets, 4, fns, layout)
+    assert classify and row.tolist() == [6.0, 3.0, 4.0, 4.0, 2.0, 1.0]  # the flags are the step's to add
+    read = read_stats(row.tolist() + [0.0, 0.0], layout, classify)
+    assert read.metrics == {"loss": 1.5, "samples": 4, "accuracy": 0.75, "mae": 0.5, "r2": 0.25}
+    assert read.loss_sum == 6.0 and not read.overflow
+    assert read_stats(row.tolist() + [1.0, 0.0], layout, classify).overflow  # one rank overflowed
+    assert read_stats(row.tolist() + [0.0, 1.0], layout, classify).overflow  # the sum overflowed
+    assert not read_stats(row.tolist(), StatsLayout(("mae", "r2")), False).overflow  # no flags without fp16
 
 
 def test_user_accuracy_replaces_the_automatic_one_and_names_are_checked():

@@ -81,7 +81,8 @@ class Buckets:
     def __init__(self, params: dict[str, torch.Tensor], sync: BucketSync,
                  earlier: Optional[dict[str, torch.Tensor]], check_finite: bool) -> None:
         """``earlier``: the summed gradients of the micro-batches before (consumed); ``check_finite``:
-        append fp16's "this rank's gradients overflowed" flag to the statistics row."""
+        append fp16's "this rank's gradients overflowed" flag to the statistics row (where
+        :attr:`raympi.core.metrics.StatsLayout.rank_overflows` reads it)."""
         self.sync, self.earlier, self.check_finite = sync, earlier, check_finite
         self.flats: list[torch.Tensor] = []
         self.slot: dict[str, tuple[int, torch.Tensor]] = {}

@@ -11,6 +11,13 @@ worker layer plugs the MPI allreduce in there; ``None`` in one process),
 applies the optimizer and returns a *new* state: the input is never touched
 (unless the caller donates it, see ``make_train_step(donate=True)``).
 
+A step is a few parts, each a function of the static ``_Setup`` that
+``make_train_step`` checked: ``_inputs`` (the batch and state checks, the
+micro-batches), ``_gradients`` (the micro-batch loop, ``_micro_grad`` each),
+``_sync`` (the one cross-rank sum, unless the buckets summed during backward),
+``_read`` (fp16's unscale and the step's one host read) and ``_update`` (the
+optimizer step, or a skipped one).
+
 The global-batch rule: the loss of a step is the mean over the samples of the
 *global* batch.  Each rank scales its local mean loss by
 ``local_n / global_batch_size`` and the ranks' gradients are summed, so any
@@ -23,6 +30,7 @@ to floating-point summation order.  Mixed precision lives in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Literal, Optional
 
@@ -30,10 +38,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from raympi.core.accumulate import check_accumulate, micro_batches
+from raympi.core.accumulate import MicroBatch, check_accumulate, micro_batches
 from raympi.core.batch import Batch, split_batch
 from raympi.core.evaluate import make_eval_step
-from raympi.core.metrics import RESERVED, MetricFn, Metrics, StatsLayout, check_metric_names, read_stats, stats_row
+from raympi.core.metrics import (
+    RESERVED, MetricFn, Metrics, StatsLayout, StepStats, check_metric_names, read_stats, stats_row,
+)
 from raympi.core.mode import in_mode
 from raympi.core.optim import GradientTransformation, apply_gradients
 from raympi.core.overlap import Buckets, BucketSync
@@ -100,7 +110,8 @@ def make_train_step(
     ``accumulate``) with the tree ``{"grads": {name: tensor}, "stats":
     float64 tensor [loss * n, correct, n, n_targets, metric * n for each of
     ``metrics``, then with fp16 a 0/1 "this rank's gradients overflowed"
-    flag]}`` and must return the leaf-wise SUM over the ranks (a new tree of
+    flag]}`` (the row :class:`~raympi.core.metrics.StatsLayout` describes)
+    and must return the leaf-wise SUM over the ranks (a new tree of
     this rank's own tensors, or ``None`` after summing in place).  Riding the
     statistics on the gradient allreduce makes the metrics global at no extra
     collective.
@@ -186,114 +197,191 @@ def make_train_step(
     accumulate = check_accumulate(accumulate)
     metric_fns = dict(metrics or {})
     layout = StatsLayout(tuple(check_metric_names(metric_fns, RESERVED, "metrics")), overflow_flags=bool(scaler))
-    trainable = set(_trainable(model))
-    # Only real buffers can be written by the forward pass (frozen params cannot).
-    mutable = {n for n, _ in model.named_buffers()}
+    trainable = frozenset(_trainable(model))
     overlapped = overlap and grad_sync is not None
     if overlapped and not isinstance(grad_sync, BucketSync):
         raise ConfigError("overlap=True needs a grad_sync with bucket_bytes, start, finish and abandon "
                           "(raympi.core.overlap.BucketSync, e.g. raympi.comm.buckets.BucketAllreduce)")
-
-    def grad_fn(params, buffers, micro, factor, device_type, watch=None):
-        """``(gradients, stats row, classify)`` of one micro-batch; ``params`` is not touched."""
-        args, kwargs, targets, n = micro
-        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        if watch is not None:
-            watch(leaves)
-        with torch.enable_grad():
-            with autocast(precision, device_type):
-                outputs = functional_call(model, (leaves, buffers), args, kwargs)
-                loss = loss_fn(outputs, targets)
-            _check_loss(loss)
-            with torch.no_grad():
-                row, classify = stats_row(loss, outputs, targets, n, metric_fns, layout)
-            # Differentiate this batch's share of the global mean, times the loss scale;
-            # in float32 at least, as GradScaler does: an fp16 loss times 2**16 overflows.
-            scaled = loss.to(torch.promote_types(loss.dtype, torch.float32)) * factor
-            if scaled.requires_grad:
-                grads = torch.autograd.grad(scaled, list(leaves.values()), materialize_grads=True)
-            else:  # a loss that does not depend on the parameters
-                grads = tuple(torch.zeros_like(v) for v in leaves.values())
-        return dict(zip(leaves, grads)), row, classify
+    setup = _Setup(
+        model=model, loss_fn=loss_fn, optimizer=optimizer, grad_sync=grad_sync, on_nonfinite=on_nonfinite,
+        rank=rank, donate=donate, precision=precision, scaler=scaler, accumulate=accumulate, metric_fns=metric_fns,
+        overlapped=overlapped, layout=layout, trainable=trainable,
+        mutable=frozenset(n for n, _ in model.named_buffers()),  # frozen parameters are never written
+    )
 
     def train_step(
         state: TrainState, batch: Batch, global_batch_size: Optional[int] = None
     ) -> tuple[TrainState, Metrics]:
-        args, kwargs, targets, n = split_batch(batch)
-        if set(state.params) != trainable:
-            raise TrainingError(
-                "state.params does not match the model's trainable parameters: missing "
-                f"{sorted(trainable - set(state.params))}, unexpected "
-                f"{sorted(set(state.params) - trainable)}. Build it with TrainState.create(model, ...)."
-            )
-        global_n = n if global_batch_size is None else int(global_batch_size)
-        step, seed = int(state.step), int(state.rng_seed)
+        micros, global_n = _inputs(setup, state, batch, global_batch_size)
         # A state from before fp16 (or made without loss_scaling) starts the scaler here.
         loss_scale = (state.loss_scale or scaler.init()) if scaler else state.loss_scale
         scale = float(loss_scale["scale"]) if scaler else 1.0
         # The forward writes running statistics into the buffers it is given:
         # give it copies so the input state stays as it was.
-        buffers = {k: (v.clone() if k in mutable else v) for k, v in state.buffers.items()}
-        device = next(iter(state.params.values())).device
-        cuda = sorted({t.device.index or 0 for t in state.params.values() if t.device.type == "cuda"})
-        with in_mode(model, True), torch.random.fork_rng(devices=cuda):
-            seed_generators(step_seed(seed, step, rank), cuda)
-            grads = stats = None
-            micros = micro_batches(args, kwargs, targets, n, accumulate)
-            for i, micro in enumerate(micros):
-                factor = micro[3] / global_n * scale
-                if overlapped and i == len(micros) - 1:  # the last backward sums its buckets as it goes
-                    with Buckets(state.params, grad_sync, grads, bool(scaler)) as buckets:
-                        g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type, buckets.watch)
-                        grads, stats = buckets.finish(g, row if stats is None else stats + row)
-                    break
-                g, row, classify = grad_fn(state.params, buffers, micro, factor, device.type)
-                if grads is None:
-                    grads, stats = g, row
-                else:
-                    torch._foreach_add_(list(grads.values()), list(g.values()))
-                    stats = stats + row
-                del g  # free this micro-batch's gradients before the next one's are made
-
+        buffers = {k: (v.clone() if k in setup.mutable else v) for k, v in state.buffers.items()}
+        grads, stats, classify = _gradients(setup, state, buffers, micros, global_n, scale)
         if not overlapped:  # (overlapped, the buckets have summed both already)
-            if scaler:  # every rank learns whether any rank overflowed: the flags add up
-                stats = torch.cat([stats, nonfinite_flag(list(grads.values())).to(stats.device)])
-            tree = {"grads": grads, "stats": stats}
-            if grad_sync is not None:
-                synced = grad_sync(tree)
-                tree = tree if synced is None else synced
-            grads, stats = tree["grads"], tree["stats"]
-        readout = stats
-        if scaler:  # unscale the sum, as GradScaler after DDP's allreduce, and check it too
-            found = unscale_(list(grads.values()), scale)
-            readout = torch.cat([readout, found.to(readout.device, torch.float64)])
-        metrics, loss_sum, overflow = read_stats(readout.tolist(), layout, classify)  # the step's one host read
-
-        if global_batch_size is not None and metrics["samples"] != global_n:
+            grads, stats = _sync(setup, grads, stats)
+        read = _read(setup, grads, stats, scale, classify)
+        if global_batch_size is not None and read.metrics["samples"] != global_n:
             raise TrainingError(
-                f"the ranks' batches hold {metrics['samples']} samples in all but global_batch_size is "
+                f"the ranks' batches hold {read.metrics['samples']} samples in all but global_batch_size is "
                 f"{global_n}: pass the size of the whole step's batch over all ranks"
             )
-        finite = math.isfinite(loss_sum)
-        new: dict[str, Any] = {"step": state.step + 1}
-        if scaler:
-            metrics["loss_scale"] = scale
-            new["loss_scale"] = next_loss_scale(loss_scale, overflow, scaler)
-        if not finite and not overflow and on_nonfinite == "raise":
-            raise NonFiniteLossError(
-                f"the loss is {metrics['loss']} at step {step}. Lower the learning rate, clip "
-                "gradients (optim.clip_by_global_norm), check the data, or pass "
-                "on_nonfinite='skip' to make_train_step to skip such steps."
-            )
-        if on_nonfinite == "skip":
-            metrics["nonfinite"] = not finite
-        if scaler or on_nonfinite == "skip":
-            metrics["skipped"] = int(overflow or not finite)
-        if overflow or not finite:
-            # BatchNorm statistics of a forward whose loss was finite are kept, as in a torch loop.
-            return state.replace(buffers=buffers if finite else state.buffers, **new), metrics
-
-        params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
-        return state.replace(params=params, buffers=buffers, opt_state=opt_state, **new), metrics
+        return _update(setup, state, buffers, grads, read, loss_scale, scale)
 
     return train_step
+
+
+# --------------------------------------------------------------------------- the step's parts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What ``make_train_step`` fixed, checked: the static half of every step (its arguments as documented there)."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    optimizer: GradientTransformation
+    grad_sync: Optional[GradSync]
+    on_nonfinite: str
+    rank: int
+    donate: bool
+    precision: Precision
+    scaler: Optional[LossScaling]  # fp16's loss scaling, else None
+    accumulate: int
+    metric_fns: dict[str, MetricFn]
+    overlapped: bool  # the sum runs in buckets during the last backward
+    layout: StatsLayout  # the statistics row
+    trainable: frozenset[str]  # the names state.params must have
+    mutable: frozenset[str]  # the real buffers: the forward pass may write them
+
+
+def _inputs(setup: _Setup, state: TrainState, batch: Batch,
+            global_batch_size: Optional[int]) -> tuple[list[MicroBatch], int]:
+    """Check the batch and the state; return the micro-batches and the global batch size."""
+    args, kwargs, targets, n = split_batch(batch)
+    if set(state.params) != setup.trainable:
+        raise TrainingError(
+            "state.params does not match the model's trainable parameters: missing "
+            f"{sorted(setup.trainable - set(state.params))}, unexpected "
+            f"{sorted(set(state.params) - setup.trainable)}. Build it with TrainState.create(model, ...)."
+        )
+    global_n = n if global_batch_size is None else int(global_batch_size)
+    return micro_batches(args, kwargs, targets, n, setup.accumulate), global_n
+
+
+def _micro_grad(setup: _Setup, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                micro: MicroBatch, factor: float, device_type: str,
+                watch: Optional[Callable[[dict[str, torch.Tensor]], None]] = None,
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
+    """``(gradients, stats row, classify)`` of one micro-batch's loss times ``factor``; ``params`` is not touched.
+
+    ``watch`` sees the parameter leaves before the forward pass (overlap's hooks).
+    """
+    args, kwargs, targets, n = micro
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    if watch is not None:
+        watch(leaves)
+    with torch.enable_grad():
+        with autocast(setup.precision, device_type):
+            outputs = functional_call(setup.model, (leaves, buffers), args, kwargs)
+            loss = setup.loss_fn(outputs, targets)
+        _check_loss(loss)
+        with torch.no_grad():
+            row, classify = stats_row(loss, outputs, targets, n, setup.metric_fns, setup.layout)
+        # Differentiate this batch's share of the global mean, times the loss scale;
+        # in float32 at least, as GradScaler does: an fp16 loss times 2**16 overflows.
+        scaled = loss.to(torch.promote_types(loss.dtype, torch.float32)) * factor
+        if scaled.requires_grad:
+            grads = torch.autograd.grad(scaled, list(leaves.values()), materialize_grads=True)
+        else:  # a loss that does not depend on the parameters
+            grads = tuple(torch.zeros_like(v) for v in leaves.values())
+    return dict(zip(leaves, grads)), row, classify
+
+
+def _gradients(setup: _Setup, state: TrainState, buffers: dict[str, torch.Tensor], micros: list[MicroBatch],
+               global_n: int, scale: float) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
+    """The micro-batch loop: this rank's gradients and statistics row, summed over its micro-batches.
+
+    Runs the model in train mode with the step's own random streams.  With ``overlapped`` the last
+    micro-batch's backward also sums over the ranks (buckets), so what comes back is already the global sum.
+
+    Returns:
+        ``(grads, stats, classify)``.
+    """
+    device_type = next(iter(state.params.values())).device.type
+    cuda = sorted({t.device.index or 0 for t in state.params.values() if t.device.type == "cuda"})
+    with in_mode(setup.model, True), torch.random.fork_rng(devices=cuda):
+        seed_generators(step_seed(int(state.rng_seed), int(state.step), setup.rank), cuda)
+        grads = stats = None
+        for i, micro in enumerate(micros):
+            factor = micro[3] / global_n * scale
+            if setup.overlapped and i == len(micros) - 1:  # the last backward sums its buckets as it goes
+                with Buckets(state.params, setup.grad_sync, grads, bool(setup.scaler)) as buckets:
+                    g, row, classify = _micro_grad(setup, state.params, buffers, micro, factor, device_type,
+                                                   buckets.watch)
+                    return (*buckets.finish(g, row if stats is None else stats + row), classify)
+            g, row, classify = _micro_grad(setup, state.params, buffers, micro, factor, device_type)
+            if grads is None:
+                grads, stats = g, row
+            else:
+                torch._foreach_add_(list(grads.values()), list(g.values()))
+                stats = stats + row
+            del g  # free this micro-batch's gradients before the next one's are made
+    return grads, stats, classify
+
+
+def _sync(setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The cross-rank sum of the gradients and the statistics row, in one ``grad_sync`` (not overlapped).
+
+    With fp16, the row first gets this rank's overflow flag (:attr:`StatsLayout.rank_overflows`): summed,
+    every rank learns whether any rank overflowed.
+    """
+    if setup.scaler:
+        stats = torch.cat([stats, nonfinite_flag(list(grads.values())).to(stats.device)])
+    tree = {"grads": grads, "stats": stats}
+    if setup.grad_sync is not None:
+        synced = setup.grad_sync(tree)
+        tree = tree if synced is None else synced
+    return tree["grads"], tree["stats"]
+
+
+def _read(setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor, scale: float,
+          classify: bool) -> StepStats:
+    """The summed statistics read to the host: the step's one host read.
+
+    With fp16 the summed gradients are unscaled in place first, as GradScaler does after DDP's allreduce,
+    and their ``found_inf`` joins the row (:attr:`StatsLayout.sum_overflow`).
+    """
+    if setup.scaler:
+        found = unscale_(list(grads.values()), scale)
+        stats = torch.cat([stats, found.to(stats.device, torch.float64)])
+    return read_stats(stats.tolist(), setup.layout, classify)
+
+
+def _update(setup: _Setup, state: TrainState, buffers: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+            read: StepStats, loss_scale: dict[str, torch.Tensor], scale: float) -> tuple[TrainState, Metrics]:
+    """The new state and the metrics: the optimizer's update, or a skipped step (fp16 overflow, a non-finite
+    loss with ``on_nonfinite="skip"``); a non-finite loss with ``"raise"`` raises."""
+    metrics = read.metrics
+    finite = math.isfinite(read.loss_sum)
+    new: dict[str, Any] = {"step": state.step + 1}
+    if setup.scaler:
+        metrics["loss_scale"] = scale
+        new["loss_scale"] = next_loss_scale(loss_scale, read.overflow, setup.scaler)
+    if not finite and not read.overflow and setup.on_nonfinite == "raise":
+        raise NonFiniteLossError(
+            f"the loss is {metrics['loss']} at step {int(state.step)}. Lower the learning rate, clip "
+            "gradients (optim.clip_by_global_norm), check the data, or pass "
+            "on_nonfinite='skip' to make_train_step to skip such steps."
+        )
+    if setup.on_nonfinite == "skip":
+        metrics["nonfinite"] = not finite
+    if setup.scaler or setup.on_nonfinite == "skip":
+        metrics["skipped"] = int(read.overflow or not finite)
+    if read.overflow or not finite:
+        # BatchNorm statistics of a forward whose loss was finite are kept, as in a torch loop.
+        return state.replace(buffers=buffers if finite else state.buffers, **new), metrics
+    params, opt_state = apply_gradients(setup.optimizer, grads, state.opt_state, state.params, donate=setup.donate)
+    return state.replace(params=params, buffers=buffers, opt_state=opt_state, **new), metrics
