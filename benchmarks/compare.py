@@ -52,18 +52,13 @@ Writes benchmarks/out/compare.csv (every run) and benchmarks/out/compare.png (me
 from __future__ import annotations
 
 import argparse
-import ast
-import csv
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -73,16 +68,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-MNIST_EXAMPLE = ROOT / "examples" / "mnist.py"
-OUT = Path(__file__).resolve().parent / "out"
-BIN = Path(sys.executable).parent
+from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks share)
+    BIN, CHILD_TIMEOUT_S, LR, OUT, PER_WORKER, SEED, add_child_options, attempt, ddp, example_net_class, fmt, fresh_ray,
+    median_or_none, min_median_max, mlp, mnist_example, raytrain_ddp, read_spec, rotated, run_spec_child, spread,
+    synthetic_mnist, time_reps, torchrun_gloo, write_csv, write_spec,
+)
+from _common import run_raytrain as _run_raytrain  # noqa: E402
+from _common import run_torchrun as _run_torchrun  # noqa: E402
 
-PER_WORKER = 32
-LR = 0.01
-SEED = 0
 ATOL = RTOL = 1e-4
-CHILD_TIMEOUT_S = 600
 RAW_REPS = 60
 
 MODELS = ("cnn", "mlp")
@@ -93,26 +87,13 @@ COMPARED = ("raympi", "torchrun-ddp", "mpiexec-template", "raytrain")  # order o
 # ---------------------------------------------------------------- the workload (driver and children)
 
 def build_model(name: str) -> nn.Module:
-    """A fresh model: 'cnn' is examples/mnist.py's Net (its class source, run here without importing raympi), 'mlp' the 5.8M MLP."""
+    """A fresh model: 'cnn' is examples/mnist.py's Net (its class source, run here without importing raympi; the driver
+    imports the example for real and checks that both give the same parameter shapes), 'mlp' the 5.8M MLP."""
     if name == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+        return mlp()
     if name == "cnn":
-        return _net_class()()
+        return example_net_class()()
     raise ValueError(f"unknown model {name!r}")
-
-
-def _net_class() -> type:
-    """``Net`` from examples/mnist.py's source.
-
-    Importing the example imports raympi (and with it Ray, ~4 s, and mpi4py with MPI_Init turned off), which the
-    torchrun / mpiexec / floor processes should not pay or inherit; the driver imports it for real (importlib)
-    and checks that both give the same parameter shapes.
-    """
-    tree = ast.parse(MNIST_EXAMPLE.read_text())
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Net"]
-    namespace: dict[str, Any] = {"torch": torch, "nn": nn, "__name__": "examples_mnist_net"}
-    exec(compile(ast.Module(body=[cls], type_ignores=[]), str(MNIST_EXAMPLE), "exec"), namespace)
-    return namespace["Net"]
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
@@ -171,17 +152,12 @@ def _load_model(spec: dict[str, Any]) -> nn.Module:
 
 def _child(mode: str, spec_path: str) -> None:
     """Entry point of the subprocess contenders (this file run with --child)."""
-    spec = json.loads(Path(spec_path).read_text())
+    spec = read_spec(spec_path)
     torch.set_num_threads(1)
     if mode == "ddp":
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        dist.init_process_group("gloo")
-        model = _load_model(spec)
-        ddp = DDP(model)
-        _run_loop(spec, dist.get_rank(), dist.get_world_size(), ddp, model, None, dist.barrier)
-        dist.destroy_process_group()
+        with torchrun_gloo() as (rank, world, barrier):
+            model = _load_model(spec)
+            _run_loop(spec, rank, world, ddp(model), model, None, barrier)
     elif mode == "mpi":
         from mpi4py import MPI
 
@@ -206,7 +182,7 @@ def _child(mode: str, spec_path: str) -> None:
             times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
         if comm.Get_rank() == 0:
             res = json.loads(Path(spec["result"]).read_text())
-            res.update(_spread(times[1:], "raw_allreduce_"))
+            res.update(spread(times[1:], "raw_allreduce_"))
             Path(spec["result"]).write_text(json.dumps(res))
     elif mode == "floor":
         model = _load_model(spec)
@@ -217,41 +193,22 @@ def _child(mode: str, spec_path: str) -> None:
 
 def _raytrain_loop(spec: dict[str, Any]) -> None:
     """Ray Train's train_loop_per_worker: prepare_model wraps the model in DDP (gloo, set up by TorchTrainer)."""
-    import ray.train
-    import ray.train.torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
-    ctx = ray.train.get_context()
     model = _load_model(spec)
-    ddp = ray.train.torch.prepare_model(model)
-    _run_loop(spec, ctx.get_world_rank(), ctx.get_world_size(), ddp, model, None, dist.barrier)
+    wrapped, rank, world, barrier = raytrain_ddp(model)
+    _run_loop(spec, rank, world, wrapped, model, None, barrier)
 
 
 # ---------------------------------------------------------------- the contenders, seen from the driver
 
-def _run_subprocess(cmd: list[str], spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    launch = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # our own child's process group (torchrun / mpiexec and its ranks)
-        output, _ = proc.communicate()
-        raise RuntimeError(f"timed out after {timeout_s:.0f} s: {output[-1500:]}")
-    if proc.returncode != 0 or not Path(spec["result"]).exists():
-        raise RuntimeError(f"exit {proc.returncode}: {output[-1500:]}")
-    res = json.loads(Path(spec["result"]).read_text())
-    return {"ms_per_step": res["ms_per_step"], "launch_s": res["first_step_wall"] - launch, "params": spec["params"],
+def _child_result(res: dict[str, Any]) -> dict[str, Any]:
+    """What a contender run as a child process (run_spec_child: torchrun / mpiexec and its ranks) reports."""
+    return {"ms_per_step": res["ms_per_step"], "launch_s": res["launch_s"], "params": res["params"],
             **{k: v for k, v in res.items() if k.startswith("raw_allreduce_")}}
 
 
 def run_torchrun(spec: dict[str, Any], workers: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
-           str(Path(__file__).resolve()), "--child", "ddp", "--spec", spec["path"]]
-    return _run_subprocess(cmd, spec, CHILD_TIMEOUT_S)
+    return _child_result(_run_torchrun(__file__, spec, workers, CHILD_TIMEOUT_S))
 
 
 def run_mpiexec(spec: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -259,13 +216,7 @@ def run_mpiexec(spec: dict[str, Any], workers: int) -> dict[str, Any]:
     if not mpiexec:
         raise RuntimeError("no mpiexec next to the interpreter or on PATH (pip install mpich)")
     cmd = [str(mpiexec), "-n", str(workers), sys.executable, str(Path(__file__).resolve()), "--child", "mpi", "--spec", spec["path"]]
-    return _run_subprocess(cmd, spec, CHILD_TIMEOUT_S)
-
-
-def _spread(seconds: list[float], prefix: str = "") -> dict[str, float]:
-    """Median and 10th/90th percentiles of ``seconds``, in ms."""
-    q = statistics.quantiles(seconds, n=10)
-    return {f"{prefix}ms": 1000 * statistics.median(seconds), f"{prefix}p10_ms": 1000 * q[0], f"{prefix}p90_ms": 1000 * q[-1]}
+    return _child_result(run_spec_child(cmd, spec, CHILD_TIMEOUT_S))
 
 
 def run_raw_allreduce(spec: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -280,63 +231,42 @@ def run_raw_allreduce(spec: dict[str, Any], workers: int) -> dict[str, Any]:
     class Rank(comm.Member):
         def time_allreduce(self, count: int, reps: int) -> list[float]:
             x = np.zeros(count, dtype=np.float32)
-            times = []
-            for _ in range(reps + 1):  # the first sets up the connections
-                self.comm.barrier()
-                start = time.perf_counter()
-                self.comm.allreduce_array_(x)
-                times.append(time.perf_counter() - start)
-            return times[1:]
+            return time_reps(self.comm.barrier, lambda: self.comm.allreduce_array_(x), reps)  # the first sets up the connections
 
     count = sum(p.numel() for p in build_model(spec["model"]).parameters())
-    _ray_init(workers)
-    try:
+    with fresh_ray(workers):
         env = {**MPIConfig().environment(multi_host=False), "OMP_NUM_THREADS": "1"}
         ranks = [Rank.options(runtime_env={"env_vars": env}).remote() for _ in range(workers)]
         comm.form(ranks, timeout_s=120)
         per_rank = ray.get([r.time_allreduce.remote(count, RAW_REPS) for r in ranks], timeout=CHILD_TIMEOUT_S)
-    finally:
-        ray.shutdown()
     slowest = [max(rep) for rep in zip(*per_rank)]
-    res = _spread(slowest, "raw_allreduce_")
+    res = spread(slowest, "raw_allreduce_")
     return {"ms_per_step": res["raw_allreduce_ms"], "launch_s": None, "params": None, **res}
 
 
 def run_floor(spec: dict[str, Any], workers: int) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "floor", "--spec", spec["path"]]
-    res = _run_subprocess(cmd, spec, CHILD_TIMEOUT_S)
+    res = _child_result(run_spec_child(cmd, spec, CHILD_TIMEOUT_S))
     res["params"] = None  # batch 32, not the global batch: a different trajectory, not compared
     return res
 
 
-def _ray_init(workers: int) -> None:
-    import ray
-
-    ray.init(address="local", num_cpus=workers, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-
-
 def run_raympi(spec: dict[str, Any], workers: int, transport: str = "mpi") -> dict[str, Any]:
-    import ray
-
     import raympi
 
     torch.set_num_threads(1)
-    mnist = _mnist_module()
+    mnist = mnist_example()
     model = mnist.Net() if spec["model"] == "cnn" else build_model(spec["model"])
     model.load_state_dict(torch.load(spec["init"], weights_only=True))
     data = torch.load(spec["data"], weights_only=True)
     steps, warmup = spec["steps"], spec["warmup"]
-    _ray_init(workers)
-    try:
+    with fresh_ray(workers):
         start = time.time()
         result = raympi.fit(
             model, (data["x"], data["y"]), workers=workers, epochs=-(-steps // warmup), max_steps=steps,
             batch_size=PER_WORKER * workers, optimizer=raympi.optim.sgd(LR), progress=False, seed=SEED,
             checkpoint_dir=spec["dir"] + "/raympi-ckpt", checkpoint_every=0, torch_threads=1, grad_transport=transport,
         )
-    finally:
-        ray.shutdown()
     times = {r["step"]: r["time"] for r in result.metrics}
     if sorted(times) != list(range(1, steps + 1)):
         raise RuntimeError(f"raympi reported steps {sorted(times)[:5]}..., not 1..{steps}")
@@ -346,49 +276,14 @@ def run_raympi(spec: dict[str, Any], workers: int, transport: str = "mpi") -> di
 
 
 def run_raytrain(spec: dict[str, Any], workers: int) -> dict[str, Any]:
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    _ray_init(workers)
-    try:
-        trainer = TorchTrainer(
-            _raytrain_loop, train_loop_config=spec,
-            scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
-            run_config=RunConfig(name="compare", storage_path=spec["dir"] + "/raytrain-storage"),
-        )
-        start = time.time()
-        trainer.fit()
-    finally:
-        ray.shutdown()
-    res = json.loads(Path(spec["result"]).read_text())
-    return {"ms_per_step": res["ms_per_step"], "launch_s": res["first_step_wall"] - start, "params": spec["params"]}
+    res = _run_raytrain(_raytrain_loop, spec, workers, "compare")
+    return {"ms_per_step": res["ms_per_step"], "launch_s": res["launch_s"], "params": spec["params"]}
 
 
 RUNNERS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "raympi": run_raympi, "raympi-gloo": lambda spec, w: run_raympi(spec, w, "gloo"), "torchrun-ddp": run_torchrun, "raytrain": run_raytrain,
     "mpiexec-template": run_mpiexec, "floor": run_floor, "raw-allreduce": run_raw_allreduce,
 }
-
-
-_MNIST = None
-
-
-def _mnist_module():
-    """examples/mnist.py imported for real (importlib), its module shipped to Ray workers by value."""
-    global _MNIST
-    if _MNIST is None:
-        import importlib.util
-
-        import ray.cloudpickle
-
-        spec = importlib.util.spec_from_file_location("raympi_examples_mnist", MNIST_EXAMPLE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        ray.cloudpickle.register_pickle_by_value(module)
-        _MNIST = module
-    return _MNIST
 
 
 # ---------------------------------------------------------------- driver
@@ -400,7 +295,7 @@ def _prepare(tmp: Path, models: list[str], workers: list[int], steps: int, warmu
     files: dict[str, Any] = {"init": {}, "data": {}}
     for name in models:
         torch.manual_seed(SEED)
-        model = _mnist_module().Net() if name == "cnn" else build_model(name)
+        model = mnist_example().Net() if name == "cnn" else build_model(name)
         mine = build_model(name).state_dict()
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if shapes != {k: tuple(v.shape) for k, v in mine.items()}:
@@ -410,9 +305,7 @@ def _prepare(tmp: Path, models: list[str], workers: list[int], steps: int, warmu
         print(f"# {name}: {sum(p.numel() for p in model.parameters()):,} parameters", file=sys.stderr)
     for w in workers:
         n = PER_WORKER * w * warmup  # one epoch = `warmup` steps: raympi's chunks end there
-        g = torch.Generator().manual_seed(SEED)
-        x = torch.randn(n, 1, 28, 28, generator=g)
-        y = torch.randint(0, 10, (n,), generator=g)
+        x, y = synthetic_mnist(n, SEED)
         files["data"][w] = str(tmp / f"data-W{w}.pt")
         torch.save({"x": x, "y": y}, files["data"][w])
         for step in (0, warmup - 1, warmup, steps - 1):  # the restated order must be raympi's
@@ -440,8 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--workers", default="2,4")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--quick", action="store_true", help="1 run, cnn, W=2, 15 steps (5 warm-up), raympi + mpiexec-template + floor + raw-allreduce")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
+    add_child_options(p)
     args = p.parse_args(argv)
     if args.child:
         _child(args.child, args.spec)
@@ -464,28 +356,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         for run in range(args.runs):
             for model in models:
                 for w in workers:
-                    k = run % len(contenders)  # rotate who goes first, so drifts in machine speed spread out
                     params: dict[str, dict[str, torch.Tensor]] = {}
-                    for name in contenders[k:] + contenders[:k]:
+                    for name in rotated(contenders, run):  # who goes first rotates, so drifts in machine speed spread out
                         tag = f"{run}-{model}-W{w}-{name}"
-                        spec = {"model": model, "init": files["init"][model], "data": files["data"][w], "workers": w,
-                                "steps": args.steps, "warmup": args.warmup, "dir": str(tmp), "path": str(tmp / f"{tag}.json"),
-                                "result": str(tmp / f"{tag}.result.json"), "params": str(tmp / f"{tag}.params.pt")}
-                        Path(spec["path"]).write_text(json.dumps(spec))
+                        spec = write_spec(tmp, tag, model=model, init=files["init"][model], data=files["data"][w], workers=w,
+                                          steps=args.steps, warmup=args.warmup)
                         row: dict[str, Any] = {"run": run, "model": model, "workers": w, "contender": name, "ms_per_step": None,
                                                "launch_s": None, "raw_allreduce_ms": None, "raw_allreduce_p10_ms": None,
                                                "raw_allreduce_p90_ms": None, "max_param_diff": None, "params_match": "", "error": ""}
                         began = time.time()
-                        try:
+
+                        def contend(name: str = name, spec: dict[str, Any] = spec, w: int = w) -> dict[str, Any]:
                             res = RUNNERS[name](spec, w)
-                            row.update(ms_per_step=res["ms_per_step"], launch_s=res["launch_s"],
-                                       **{k: res.get(k) for k in ("raw_allreduce_ms", "raw_allreduce_p10_ms", "raw_allreduce_p90_ms")})
                             if res["params"]:
                                 params[name] = torch.load(res["params"], weights_only=True)
-                        except Exception as exc:  # recorded, reported, and the exit status says so
-                            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-                            failed = True
-                            traceback.print_exc(file=sys.stderr)
+                            return {"ms_per_step": res["ms_per_step"], "launch_s": res["launch_s"],
+                                    **{k: res.get(k) for k in ("raw_allreduce_ms", "raw_allreduce_p10_ms", "raw_allreduce_p90_ms")}}
+
+                        failed |= not attempt(row, contend)  # an error is recorded, reported, and the exit status says so
                         rows.append(row)
                         ms = f"{row['ms_per_step']:.2f} ms/step" if row["ms_per_step"] is not None else row["error"]
                         print(f"# run {run} {model} W={w} {name}: {ms} ({time.time() - began:.1f} s)", file=sys.stderr, flush=True)
@@ -506,11 +394,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    with open(OUT / "compare.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(OUT / "compare.csv", rows)
     summary = _summarize(rows, models, workers, contenders)
     _print_table(summary, args)
     _print_targets(summary, rows, models, workers)
@@ -534,19 +418,17 @@ def _summarize(rows, models, workers, contenders) -> list[dict[str, Any]]:
                 marks = {r["params_match"] for r in mine}
                 match = next((x for x in ("ERROR", "FAIL") if x in marks), None) or ("ref" if marks == {"ref"} else "PASS" if marks <= {"PASS", "ref"} else "n/a")
                 diffs = [r["max_param_diff"] for r in mine if r["max_param_diff"] is not None]
-                med = statistics.median(ms) if ms else None
+                stats = min_median_max(ms)
                 out.append({
-                    "model": m, "workers": w, "contender": c, "n": len(ms),
-                    "min": min(ms) if ms else None, "median": med, "max": max(ms) if ms else None,
-                    "ratio": med / statistics.median(ref) if ms and ref else None,
-                    "launch": statistics.median(launch) if launch else None, "match": match,
+                    "model": m, "workers": w, "contender": c, **stats,
+                    "ratio": stats["median"] / statistics.median(ref) if ms and ref else None,
+                    "launch": median_or_none(launch), "match": match,
                     "diff": max(diffs) if diffs else None,
                 })
     return out
 
 
 def _print_table(summary, args) -> None:
-    fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])  # noqa: E731
     print(f"\nms/step over steps {args.warmup + 1}-{args.steps} ({args.steps - args.warmup} timed after {args.warmup} warm-up), "
           f"{args.runs} run(s); batch {PER_WORKER}/worker; ratio = contender median / raympi median")
     header = f"{'model':5} | {'W':>2} | {'contender':16} | {'min':>8} | {'median':>8} | {'max':>8} | {'ratio':>6} | {'launch s':>8} | params match"

@@ -39,8 +39,6 @@ Writes benchmarks/out/data.csv (every run) and benchmarks/out/data.txt (the tabl
 from __future__ import annotations
 
 import argparse
-import ast
-import csv
 import json
 import os
 import shutil
@@ -48,7 +46,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -57,17 +54,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare  # noqa: E402  (its torchrun launcher, its Ray start and examples/mnist.py import are reused)
+from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks share)
+    LR, PER_WORKER, ROOT, SEED, add_child_options, attempt, ddp, example_defs, fmt, fresh_ray, median_or_none,
+    min_median_max, mnist_example, raytrain_ddp, read_spec, rotated, save_results, torchrun_gloo, write_spec,
+)
+from _common import run_raytrain as _run_raytrain  # noqa: E402
+from _common import run_torchrun as _run_torchrun  # noqa: E402
 
-ROOT = compare.ROOT
-MNIST_EXAMPLE = compare.MNIST_EXAMPLE
-OUT = compare.OUT
 WORLD = 2
-PER_WORKER = compare.PER_WORKER  # 32 per rank, global batch 64
-GLOBAL = PER_WORKER * WORLD
-LR = compare.LR
-SEED = compare.SEED
+GLOBAL = PER_WORKER * WORLD  # 32 per rank, global batch 64
 DATASET = "fashion-mnist"
 CHUNK_GAP_S = 1e-3  # records further apart than this came in different chunks
 
@@ -84,21 +79,6 @@ REFERENCE = "raympi-tv-lw0"
 
 
 # ---------------------------------------------------------------- the workload (driver, torchrun ranks, Ray Train workers)
-
-def example_defs() -> dict[str, Any]:
-    """The top-level definitions of examples/mnist.py (``Net``, ``augmented``, ``load``...) without ``import raympi``.
-
-    The torchrun ranks and Ray Train's workers need the example's model and Dataset but should not import
-    raympi (and Ray with it); the driver imports the example for real (compare._mnist_module).
-    """
-    tree = ast.parse(MNIST_EXAMPLE.read_text())
-    body = [n for n in tree.body
-            if not (isinstance(n, ast.Import) and any(a.name == "raympi" for a in n.names))
-            and not (isinstance(n, ast.FunctionDef) and n.name == "main") and not isinstance(n, ast.If)]
-    namespace: dict[str, Any] = {"__name__": "raympi_bench_mnist_defs"}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(MNIST_EXAMPLE), "exec"), namespace)
-    return namespace
-
 
 def subset(dataset: Any, n: int) -> Any:
     return torch.utils.data.Subset(dataset, range(n)) if n else dataset
@@ -173,26 +153,17 @@ def _child(mode: str, spec_path: str) -> None:
     """A torchrun rank (this file run with --child ddp)."""
     if mode != "ddp":
         raise SystemExit(f"unknown child mode {mode!r}")
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    spec = json.loads(Path(spec_path).read_text())
+    spec = read_spec(spec_path)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    _dataloader_loop(spec, dist.get_rank(), dist.get_world_size(), DDP(_child_model(spec)), dist.barrier)
-    dist.destroy_process_group()
+    with torchrun_gloo() as (rank, world, barrier):
+        _dataloader_loop(spec, rank, world, ddp(_child_model(spec)), barrier)
 
 
 def _raytrain_loop(spec: dict[str, Any]) -> None:
     """Ray Train's train_loop_per_worker: prepare_model wraps the model in DDP (gloo, set up by TorchTrainer)."""
-    import ray.train
-    import ray.train.torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
-    ctx = ray.train.get_context()
-    model = ray.train.torch.prepare_model(_child_model(spec))
-    _dataloader_loop(spec, ctx.get_world_rank(), ctx.get_world_size(), model, dist.barrier)
+    model, rank, world, barrier = raytrain_ddp(_child_model(spec))
+    _dataloader_loop(spec, rank, world, model, barrier)
 
 
 # ---------------------------------------------------------------- the contenders, seen from the driver
@@ -201,7 +172,7 @@ class Inputs:
     """What the driver prepares once: initial weights, the datasets of the raympi rows."""
 
     def __init__(self, tmp: Path, data_dir: str, n: int) -> None:
-        mnist = compare._mnist_module()
+        mnist = mnist_example()
         torch.manual_seed(SEED)
         model = mnist.Net()
         self.params = sum(p.numel() for p in model.parameters())
@@ -234,8 +205,6 @@ def _steady(metrics: list[dict[str, Any]], steps: int, warmup: int) -> float:
 
 
 def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any]:
-    import ray
-
     import raympi
 
     dataset, loader_workers = {
@@ -243,46 +212,34 @@ def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any
         "raympi-torch-op": (inputs.torch_op, 0), "raympi-tensors": (inputs.tensors, None),
     }[name]
     torch.set_num_threads(1)
-    model = compare._mnist_module().Net()
+    model = mnist_example().Net()
     model.load_state_dict(torch.load(spec["init"], weights_only=True))
-    compare._ray_init(WORLD)
-    try:
+    with fresh_ray(WORLD):
         start = time.time()
         result = raympi.fit(
             model, dataset, workers=WORLD, epochs=-(-spec["steps"] // (inputs.length // GLOBAL)), max_steps=spec["steps"],
             batch_size=GLOBAL, optimizer=raympi.optim.sgd(LR), progress=False, seed=SEED, torch_threads=1,
             loader_workers=loader_workers, checkpoint_dir=spec["dir"] + "/raympi-ckpt", checkpoint_every=0,
         )
-    finally:
-        ray.shutdown()
     return {"samples_per_s": _steady(result.metrics, spec["steps"], spec["warmup"]), "start_s": result.metrics[0]["time"] - start}
 
 
 def run_torchrun(spec: dict[str, Any]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           str(Path(__file__).resolve()), "--child", "ddp", "--spec", spec["path"]]
-    res = compare._run_subprocess(cmd, spec, compare.CHILD_TIMEOUT_S)
+    res = _run_torchrun(__file__, spec, WORLD)
     return {"samples_per_s": 1000 * GLOBAL / res["ms_per_step"], "start_s": res["launch_s"]}
 
 
 def run_raytrain(spec: dict[str, Any]) -> dict[str, Any]:
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    res = _run_raytrain(_raytrain_loop, spec, WORLD, "data")
+    return {"samples_per_s": 1000 * GLOBAL / res["ms_per_step"], "start_s": res["launch_s"]}
 
-    compare._ray_init(WORLD)
-    try:
-        trainer = TorchTrainer(
-            _raytrain_loop, train_loop_config=spec,
-            scaling_config=ScalingConfig(num_workers=WORLD, use_gpu=False),
-            run_config=RunConfig(name="data", storage_path=spec["dir"] + "/raytrain-storage"),
-        )
-        start = time.time()
-        trainer.fit()
-    finally:
-        ray.shutdown()
-    res = json.loads(Path(spec["result"]).read_text())
-    return {"samples_per_s": 1000 * GLOBAL / res["ms_per_step"], "start_s": res["first_step_wall"] - start}
+
+def run_contender(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any]:
+    if name == "torchrun-ddp":
+        return run_torchrun(spec)
+    if name == "raytrain":
+        return run_raytrain(spec)
+    return run_raympi(name, spec, inputs)
 
 
 # ---------------------------------------------------------------- driver
@@ -294,16 +251,13 @@ def _summarize(rows: list[dict[str, Any]], contenders: list[str]) -> list[dict[s
         mine = [r for r in rows if r["contender"] == c]
         sps = [r["samples_per_s"] for r in mine if r["samples_per_s"] is not None]
         start = [r["start_s"] for r in mine if r["start_s"] is not None]
-        med = statistics.median(sps) if sps else None
-        out.append({"contender": c, "n": len(sps), "min": min(sps) if sps else None, "median": med,
-                    "max": max(sps) if sps else None, "ratio": med / statistics.median(ref) if sps and ref else None,
-                    "start": statistics.median(start) if start else None,
-                    "errors": sum(1 for r in mine if r["error"])})
+        stats = min_median_max(sps)
+        out.append({"contender": c, **stats, "ratio": stats["median"] / statistics.median(ref) if sps and ref else None,
+                    "start": median_or_none(start), "errors": sum(1 for r in mine if r["error"])})
     return out
 
 
 def _table(summary: list[dict[str, Any]], args: argparse.Namespace, inputs: Inputs) -> str:
-    fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])  # noqa: E731
     lines = [
         f"samples/s over steps {args.warmup + 1}-{args.steps} ({args.steps - args.warmup} timed after {args.warmup} warm-up), "
         f"{args.runs} run(s) interleaved; Fashion-MNIST {inputs.length:,}, CNN {inputs.params:,} params, {WORLD} workers, "
@@ -342,8 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--data-dir", default=str(ROOT / "data"), help="torchvision's data folder (Fashion-MNIST from Debian's package)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--quick", action="store_true", help="1 run, 2,048 images, 20 steps (5 warm-up)")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
+    add_child_options(p)
     args = p.parse_args(argv)
     if args.child:
         _child(args.child, args.spec)
@@ -362,43 +315,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         inputs = Inputs(tmp, args.data_dir, args.subset)
         print(f"# {inputs.length:,} images, {inputs.params:,} parameters", file=sys.stderr)
         for run in range(args.runs):
-            k = run % len(contenders)  # rotate who goes first, so drifts in machine speed spread out
-            for name in contenders[k:] + contenders[:k]:
+            for name in rotated(contenders, run):  # who goes first rotates, so drifts in machine speed spread out
                 tag = f"{run}-{name}"
-                spec = {"init": inputs.init, "data_dir": args.data_dir, "subset": args.subset, "per_worker": PER_WORKER,
-                        "lr": LR, "steps": args.steps, "warmup": args.warmup, "dir": str(tmp),
-                        "path": str(tmp / f"{tag}.json"), "result": str(tmp / f"{tag}.result.json"),
-                        "params": str(tmp / f"{tag}.params.pt")}
-                Path(spec["path"]).write_text(json.dumps(spec))
+                spec = write_spec(tmp, tag, init=inputs.init, data_dir=args.data_dir, subset=args.subset, per_worker=PER_WORKER,
+                                  lr=LR, steps=args.steps, warmup=args.warmup)
                 row: dict[str, Any] = {"run": run, "contender": name, "samples_per_s": None, "start_s": None, "error": ""}
                 began = time.time()
-                try:
-                    if name == "torchrun-ddp":
-                        res = run_torchrun(spec)
-                    elif name == "raytrain":
-                        res = run_raytrain(spec)
-                    else:
-                        res = run_raympi(name, spec, inputs)
-                    row.update(res)
-                except Exception as exc:  # recorded, reported, and the exit status says so
-                    row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-                    traceback.print_exc(file=sys.stderr)
+                attempt(row, lambda: run_contender(name, spec, inputs))  # an error is recorded, reported, and the exit status says so
                 rows.append(row)
                 got = f"{row['samples_per_s']:.0f} samples/s" if row["samples_per_s"] is not None else row["error"]
                 print(f"# run {run} {name}: {got} ({time.time() - began:.1f} s)", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    OUT.mkdir(parents=True, exist_ok=True)
     stem = "data_quick" if args.quick else "data"  # a smoke run leaves the full run's files alone
-    with open(OUT / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    table = _table(_summarize(rows, contenders), args, inputs)
-    (OUT / f"{stem}.txt").write_text(table + "\n")
-    print("\n" + table)
-    print(f"\nwrote {OUT / (stem + '.csv')} and {OUT / (stem + '.txt')}")
+    save_results(stem, rows, _table(_summarize(rows, contenders), args, inputs))
     failed = any(r["error"] for r in rows)
     if failed:
         print("FAILED: a contender errored (see above)")

@@ -27,7 +27,6 @@ driver_memory_quick.* with --quick.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import os
 import re
@@ -36,8 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-from pathlib import Path
 from typing import Any, Optional
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -45,10 +42,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare  # noqa: E402  (its Ray start and examples/mnist.py import are reused)
+from _common import attempt, fresh_ray, median_range, mnist_example, rotated, save_results  # noqa: E402
 
-OUT = compare.OUT
 WORLD = 2
 BATCH = 64
 STEPS = 5
@@ -114,14 +109,11 @@ class PeakRSS:
 
 def one_fit(dataset: Any, tmp: str) -> dict[str, Any]:
     """One fit on a fresh local Ray: RSS growth (peak - before) and seconds from the call to the first step."""
-    import ray
-
     import raympi
 
-    compare._ray_init(WORLD)
-    try:
+    with fresh_ray(WORLD):
         torch.manual_seed(0)
-        model = compare._mnist_module().Net()
+        model = mnist_example().Net()
         with PeakRSS() as rss:
             start = time.time()
             result = raympi.fit(model, dataset, workers=WORLD, epochs=1, max_steps=STEPS, batch_size=BATCH, progress=False,
@@ -130,8 +122,6 @@ def one_fit(dataset: Any, tmp: str) -> dict[str, Any]:
             raise RuntimeError(f"fit reported steps {[r['step'] for r in result.metrics]}")
         return {"rss_growth_mb": (rss.peak - rss.base) / 2**20, "rss_kept_mb": (rss.after - rss.base) / 2**20,
                 "start_s": result.metrics[0]["time"] - start, "total_s": result.metrics[-1]["time"] - start}
-    finally:
-        ray.shutdown()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -160,43 +150,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{warm['rss_growth_mb']:.1f} MB, start {warm['start_s']:.2f} s", file=sys.stderr, flush=True)
         names = list(cases)
         for run in range(args.runs):
-            k = run % len(names)
-            for name in names[k:] + names[:k]:
+            for name in rotated(names, run):
                 data = cases[name]
                 n = len(data[1]) if isinstance(data, tuple) else len(data)
                 row: dict[str, Any] = {"run": run, "case": name, "samples": n, "rss_growth_mb": None, "rss_kept_mb": None,
                                        "start_s": None, "total_s": None, "error": ""}
-                try:
-                    row.update(one_fit(data, tmp))
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-                    failed = True
-                    traceback.print_exc(file=sys.stderr)
+                failed |= not attempt(row, lambda: one_fit(data, tmp))
                 rows.append(row)
                 got = (f"RSS +{row['rss_growth_mb']:.1f} MB, start {row['start_s']:.2f} s" if not row["error"] else row["error"])
                 print(f"# run {run} {name}: {got}", file=sys.stderr, flush=True)
 
-    OUT.mkdir(parents=True, exist_ok=True)
     stem = "driver_memory_quick" if args.quick else "driver_memory"  # a smoke run leaves the full run's files alone
-    with open(OUT / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    table = _table(rows, list(cases), args)
-    (OUT / f"{stem}.txt").write_text(table + "\n")
-    print("\n" + table)
-    print(f"\nwrote {OUT / (stem + '.csv')} and {OUT / (stem + '.txt')}")
+    save_results(stem, rows, _table(rows, list(cases), args))
     if failed:
         print("FAILED: a fit errored (see above)")
     return 1 if failed else 0
 
 
 def _table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespace) -> str:
-    def stat(values: list[float], f: str) -> str:
-        if not values:
-            return f"{'-':>{len(format(0.0, f)) * 3 + 4}}"
-        return f"{format(statistics.median(values), f)} ({format(min(values), f)}-{format(max(values), f)})"
-
     lines = [f"driver during raympi.fit(Net(), dataset, workers={WORLD}, max_steps={STEPS}, batch_size={BATCH}); "
              f"{args.runs} run(s) interleaved, medians (min-max); lazy = generated from the index, nothing stored",
              f"{'dataset':28} | {'samples':>10} | {'peak RSS growth MB':>22} | {'RSS kept MB':>20} | {'fit() to step 1 s':>20}"]
@@ -207,8 +178,8 @@ def _table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespac
         by_name[name] = {k: [r[k] for r in mine] for k in ("rss_growth_mb", "rss_kept_mb", "start_s")}
         label = f"in-memory {name}" if name == CONTROL else f"lazy, {name} nominal"
         n = next(r["samples"] for r in rows if r["case"] == name)
-        lines.append(f"{label:28} | {n:>10,} | {stat(by_name[name]['rss_growth_mb'], '6.1f'):>22} | "
-                     f"{stat(by_name[name]['rss_kept_mb'], '5.1f'):>20} | {stat(by_name[name]['start_s'], '5.2f'):>20}")
+        lines.append(f"{label:28} | {n:>10,} | {median_range(by_name[name]['rss_growth_mb'], '6.1f'):>22} | "
+                     f"{median_range(by_name[name]['rss_kept_mb'], '5.1f'):>20} | {median_range(by_name[name]['start_s'], '5.2f'):>20}")
     lazy = [n for n in names if n != CONTROL and by_name[n]["rss_growth_mb"]]
     if lazy:
         worst = max(statistics.median(by_name[n]["rss_growth_mb"]) for n in lazy)

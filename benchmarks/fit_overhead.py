@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -31,8 +29,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import PER_WORKER, LR, SEED, _mnist_module, build_model  # noqa: E402
+from _common import LR, PER_WORKER, SEED, mlp, mnist_example, start_local_ray, synthetic_mnist  # noqa: E402
 
 import raympi  # noqa: E402
 from raympi.driver import data  # noqa: E402
@@ -45,13 +42,16 @@ WORLD = 2
 
 def _model(name: str) -> torch.nn.Module:
     torch.manual_seed(SEED)
-    return _mnist_module().Net() if name == "cnn" else build_model(name)
+    if name == "cnn":
+        return mnist_example().Net()
+    if name == "mlp":
+        return mlp()
+    raise ValueError(f"unknown model {name!r}")
 
 
 def _dataset(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(SEED)
     n = PER_WORKER * WORLD * steps  # one epoch holds every step: chunks are never cut short by an epoch end
-    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return synthetic_mnist(n, SEED)
 
 
 def _options(tmp: str, **extra) -> dict:
@@ -101,7 +101,7 @@ def main() -> None:
     if args.quick:
         args.runs, args.steps, args.warmup, args.models = 1, 25, 5, "cnn"
     torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=WORLD, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    start_local_ray(WORLD, log_to_driver=False)
     modes = {"workers only": lambda n, t: workers_only(n, args.steps, args.warmup, t),
              "fit": lambda n, t: run_fit(n, args.steps, args.warmup, t, 0),
              "fit + ckpt/20": lambda n, t: run_fit(n, args.steps, args.warmup, t, 20)}
