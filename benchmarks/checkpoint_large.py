@@ -31,7 +31,6 @@ checkpoint_large_quick.* with --quick.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
@@ -47,7 +46,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "out"
+from _common import OMP1, OUT, local_ray, write_csv  # noqa: E402
+
 WAYS = {"direct": {"direct_checkpoint_bytes": 1}, "driver": {"direct_checkpoint_bytes": None},
         "none": {"direct_checkpoint_bytes": None, "checkpoint_every": 0}}
 
@@ -107,28 +107,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.mb, args.steps, args.every, args.runs = 64.0, 12, 4, 1
-    import ray
-
-    ray.init(address="local", num_cpus=max(2, args.workers), include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     rows = []
-    try:
+    with local_ray(max(2, args.workers), env=OMP1):
         for run in range(args.runs):
             for way in WAYS:
                 row = {"run": run, **_one(way, args)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    finally:
-        ray.shutdown()
     base = {r["run"]: r["span_s"] for r in rows if r["way"] == "none"}
     for r in rows:
         r["overhead_s"] = (r["span_s"] - base[r["run"]]) / r["checkpoints"] if r["checkpoints"] else 0.0
     suffix = "_quick" if args.quick else ""
-    OUT.mkdir(exist_ok=True)
-    with open(OUT / f"checkpoint_large{suffix}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(OUT / f"checkpoint_large{suffix}.csv", rows)
 
     def cell(way: str, key: str) -> str:
         values = [r[key] for r in rows if r["way"] == way and r[key] is not None]

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import socket
-import statistics
 import time
 
 import ray
 import torch
 
 from raympi import comm
+
+from _common import OMP1, slowest_median, start_local_ray, time_reps
 
 
 @ray.remote(num_cpus=0)
@@ -39,16 +40,8 @@ class Bench(comm.Member):
         import torch.distributed as dist
 
         x = torch.ones(nbytes // 4, dtype=torch.float32)
-        times = []
-        for _ in range(reps + 1):  # the first is a warm-up
-            self.comm.barrier()
-            start = time.perf_counter()
-            if which == "mpi":
-                self.comm.allreduce_([x])
-            else:
-                dist.all_reduce(x)
-            times.append(time.perf_counter() - start)
-        return times[1:]
+        reduce = (lambda: self.comm.allreduce_([x])) if which == "mpi" else (lambda: dist.all_reduce(x))
+        return time_reps(self.comm.barrier, reduce, reps)  # after a warm-up
 
     def time_buckets(self, bucket_mib: list[float], reps: int) -> dict[float, list[float]]:
         """allreduce_ of the MLP 784-2048-2048-10's gradient shapes, per bucket size."""
@@ -72,8 +65,7 @@ def _free_port() -> int:
 
 
 def bucket_sweep(reps: int) -> None:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_local_ray(2, env=OMP1)
     actors = [Bench.remote() for _ in range(2)]
     comm.form(actors, timeout_s=120)
     sizes = [0.25, 1, 4, 16, 64]
@@ -81,7 +73,7 @@ def bucket_sweep(reps: int) -> None:
     ray.shutdown()
     print("\nbucket_bytes sweep: allreduce_ of 23.3 MB (the MLP's gradients), 2 ranks, median ms (max over ranks)")
     for mib in sizes:
-        print(f"{mib:>8g} MiB {statistics.median(max(t) for t in zip(*(r[mib] for r in per_rank))) * 1e3:8.2f} ms")
+        print(f"{mib:>8g} MiB {slowest_median([r[mib] for r in per_rank]) * 1e3:8.2f} ms")
 
 
 def main() -> None:
@@ -96,8 +88,7 @@ def main() -> None:
         return bucket_sweep(args.reps)
     if args.quick:
         args.sizes, args.mb, args.reps = [2], [1], 2
-    ray.init(address="local", num_cpus=max(args.sizes), include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_local_ray(max(args.sizes), env=OMP1)
     rows = []
     for n in args.sizes:
         actors = [Bench.remote() for _ in range(n)]
@@ -113,7 +104,7 @@ def main() -> None:
             result = {}
             for which in ("mpi", "gloo"):
                 per_rank = ray.get([a.time_allreduce.remote(nbytes, args.reps, which) for a in actors])
-                result[which] = statistics.median(max(rep) for rep in zip(*per_rank))
+                result[which] = slowest_median(per_rank)
             rows.append((n, f"allreduce {mb} MB", result["mpi"], result["gloo"], nbytes / result["mpi"], nbytes / result["gloo"]))
         ray.get([a.gloo_shutdown.remote() for a in actors])
         for a in actors:

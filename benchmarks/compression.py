@@ -22,6 +22,8 @@ import torch
 
 from raympi import comm
 
+from _common import start_local_ray
+
 SHAPES = [(2048, 784), (2048,), (2048, 2048), (2048,), (10, 2048), (10,)]  # the MLP 784-2048-2048-10
 
 
@@ -58,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     netmods = ["ofi"] if args.quick else ["ucx", "ofi"]
     reps = 3 if args.quick else args.reps
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    start_local_ray(2, log_to_driver=False)
     rows = []
     for netmod in netmods:
         env = {"OMP_NUM_THREADS": "1", "MPIR_CVAR_CH4_NETMOD": netmod, **({"FI_PROVIDER": "tcp"} if netmod == "ofi" else {})}

@@ -65,6 +65,8 @@ from raympi import comm  # noqa: E402
 from raympi.comm.buckets import BucketAllreduce  # noqa: E402
 from raympi.driver.config import MPIConfig  # noqa: E402
 
+from _common import OMP1, start_local_ray  # noqa: E402
+
 BUDGET_S = 420  # the whole run, Ray's start included; a stage that cannot get 30 s of it is skipped
 LIMITS_S = {"parity": 120, "nccl1": 40, "resnet": 150, "sync": 120}
 
@@ -422,8 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"gpu_check: {'GPU' if cfg.gpu else 'CPU (--cpu or no CUDA): the same paths, tiny sizes'}", flush=True)
     try:
         t0 = time.monotonic()
-        ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=torch.cuda.device_count() if cfg.gpu else 0,
-                 include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        start_local_ray(os.cpu_count(), env=OMP1, num_gpus=torch.cuda.device_count() if cfg.gpu else 0)
         report["ray_start_s"] = time.monotonic() - t0
     except Exception as exc:
         report["ray_start_error"] = f"{type(exc).__name__}: {exc}"

@@ -23,7 +23,6 @@ import time
 import ray
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import raympi
 from raympi import comm
@@ -31,6 +30,8 @@ from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 from raympi.driver.config import MPIConfig
 from raympi.driver.group import CPU_MALLOC_ENV
+
+from _common import mlp, start_local_ray
 
 # fit's malloc settings for CPU workers, with and without its one arena
 SETTINGS = {"glibc default": {k: v for k, v in CPU_MALLOC_ENV.items() if k != "MALLOC_ARENA_MAX"},
@@ -48,7 +49,7 @@ class Rank(comm.Member):
         """(step ms, allreduce ms, minor page faults a step): medians over ``n`` steps after ``warmup``."""
         torch.set_num_threads(1)
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+        model = mlp()
         opt = raympi.optim.sgd(0.01)
         sync_ms: list[float] = []
 
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 run of each setting, 30 steps")
     args = parser.parse_args()
     runs, steps = (1, 30) if args.quick else (args.runs, args.steps)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    start_local_ray(2, log_to_driver=False)
     rows = []
     for i in range(runs):
         for setting in (SETTINGS if i % 2 == 0 else reversed(list(SETTINGS))):

@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _common import ROOT, pickle_by_value, slowest_median, start_local_ray, time_reps
 
 
 def measure(address: str, ranks: list[int], sizes_mb: list[float], reps: int, netmods: list[str], spread: bool) -> list[dict]:
@@ -34,17 +32,12 @@ def measure(address: str, ranks: list[int], sizes_mb: list[float], reps: int, ne
     class Bench(comm.Member):
         def time_allreduce(self, nbytes: int, reps: int) -> list[float]:
             x = torch.ones(nbytes // 4, dtype=torch.float32)
-            times = []
-            for _ in range(reps + 1):  # the first is a warm-up
-                self.comm.barrier()
-                start = time.perf_counter()
-                self.comm.allreduce_([x])
-                times.append(time.perf_counter() - start)
-            return times[1:]
+            return time_reps(self.comm.barrier, lambda: self.comm.allreduce_([x]), reps)  # the first is a warm-up
 
     if address == "local":
-        ray.init(address="local", num_cpus=max(ranks), include_dashboard=False, logging_level="ERROR")
+        start_local_ray(max(ranks))
     else:
+        pickle_by_value()
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     rows = []
     for netmod in netmods:
@@ -62,7 +55,7 @@ def measure(address: str, ranks: list[int], sizes_mb: list[float], reps: int, ne
             for mb in sizes_mb:
                 nbytes = int(mb * 2**20)
                 per_rank = ray.get([a.time_allreduce.remote(nbytes, reps) for a in actors], timeout=300)
-                t = statistics.median(max(ts) for ts in zip(*per_rank))
+                t = slowest_median(per_rank)
                 rows.append({"where": "3 hosts (veth)" if spread else "1 host", "netmod": netmod, "ranks": n,
                              "form_s": formed, "MB": mb, "allreduce_ms": 1e3 * t,
                              "bus_MBps": 2 * (n - 1) / n * mb / t})  # ring all-reduce bus bandwidth

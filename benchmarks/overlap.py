@@ -26,10 +26,8 @@ without which a nonblocking collective only advances inside MPI calls.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
-from pathlib import Path
 
 import ray
 import torch
@@ -42,7 +40,8 @@ from raympi.comm.buckets import BucketAllreduce
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import mlp, mnist_example, start_local_ray
+
 STEP_MODES = ("overlap=False", "overlap inline", "overlap thread")
 
 MODES = ("compute only", "allreduce only", "sequential", "overlapped")
@@ -111,14 +110,10 @@ class Rank(comm.Member):
 
 
 def _models() -> dict:
-    spec = importlib.util.spec_from_file_location("mnist_example", ROOT / "examples" / "mnist.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    mlp = lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))  # noqa: E731
     def resnet18() -> nn.Module:
         import torchvision
         return torchvision.models.resnet18(num_classes=10)
-    return {"mlp 784-2048-2048-10 (5.8M)": mlp, "cnn examples/mnist.py (108k)": example.Net, "resnet18 3x32x32 (11.2M)": resnet18}
+    return {"mlp 784-2048-2048-10 (5.8M)": mlp, "cnn examples/mnist.py (108k)": mnist_example().Net, "resnet18 3x32x32 (11.2M)": resnet18}
 
 
 def _step_table(ranks: list, args: argparse.Namespace) -> None:
@@ -150,8 +145,7 @@ def main() -> None:
     env = {"OMP_NUM_THREADS": "1", "MPIR_CVAR_CH4_NETMOD": "ucx"}
     if args.async_progress:
         env["MPIR_CVAR_ASYNC_PROGRESS"] = "1"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": env})
+    start_local_ray(2, env=env, log_to_driver=False)
     ranks = [Rank.remote() for _ in range(2)]
     comm.form(ranks, timeout_s=120)
     if args.step:

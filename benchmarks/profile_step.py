@@ -20,30 +20,23 @@ The driver's share (fit against the same workers with no driver in the loop) is 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
-from pathlib import Path
 
 import ray
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import raympi
 from raympi import comm
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import mlp, mnist_example, start_local_ray
 
 
 def models() -> dict:
-    spec = importlib.util.spec_from_file_location("mnist_example", ROOT / "examples" / "mnist.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    mlp = lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))  # noqa: E731
-    return {"cnn (examples/mnist.py)": example.Net, "mlp 784-2048-2048-10": mlp}
+    return {"cnn (examples/mnist.py)": mnist_example().Net, "mlp 784-2048-2048-10": mlp}
 
 
 @ray.remote(num_cpus=1)
@@ -99,9 +92,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     steps = 3 if args.quick else args.steps
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
-                                       "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}})
+    start_local_ray(2, env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
+                            "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)})
     actors = [Profiler.remote() for _ in range(2)]
     comm.form(actors, timeout_s=60)
     print(f"\n{'model':<24} {'params':>9} {'step':>8} {'forward':>8} {'backward':>8} {'allreduce':>10} {'raw MPI':>8} "

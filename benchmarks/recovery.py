@@ -57,7 +57,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import re
 import shutil
@@ -78,8 +77,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, where this file is imported rather than run
 
 import raympi  # noqa: E402
+from _common import OMP1, OUT, start_local_ray, write_csv  # noqa: E402
 
 if __name__ != "__main__":  # imported: the model and the train loop must still reach the workers by value
     import ray.cloudpickle
@@ -92,7 +93,6 @@ WORKERS = 2
 CHECKPOINT_EVERY = 20
 FAIL_AFTER_CHECKPOINT = 40  # inject the failure once the checkpoint of this step exists
 SEED = 0
-OUT = Path(__file__).resolve().parent / "out"
 
 RAYTRAIN_KILL = "Ray Train killed worker"
 
@@ -118,7 +118,7 @@ def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _ray_init(**kwargs: Any) -> None:
     import ray
 
-    ray.init(logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, **kwargs)
+    ray.init(logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": dict(OMP1)}, **kwargs)
 
 
 def _raylet_pids(nodes: list[Any]) -> set[int]:
@@ -280,7 +280,7 @@ def raympi_killed_worker(n: int, steps: int, path: str, sig: int = signal.SIGKIL
     folder = tempfile.mkdtemp(prefix="raympi-bench-")
     injector = None
     try:
-        _ray_init(address="local", num_cpus=4, include_dashboard=False)  # as raympi.fit starts Ray itself
+        start_local_ray(4, env=OMP1, log_to_driver=False)  # as raympi.fit starts Ray itself
         raylets = _own_raylets()
 
         def inject() -> None:
@@ -422,7 +422,7 @@ def raytrain_killed_worker(n: int, steps: int) -> dict[str, Any]:
     try:
         # With the dashboard (ray.init's default): Ray Train's PlacementGroupCleaner watches the controller through
         # the state API; without it, it was seen to remove the placement group under a run that had just finished.
-        _ray_init(address="local", num_cpus=4)
+        start_local_ray(4, env=OMP1, log_to_driver=False, dashboard=None)
         raylets = _own_raylets()
         snapshot = Path(folder, "storage", "bench", "checkpoint_manager_snapshot.json")
         registered = re.compile(rf'"step":\s*{FAIL_AFTER_CHECKPOINT}\b')
@@ -590,20 +590,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if excluded or errors[name]:
             print(f"{name}: {len(errors[name])} run(s) failed, run(s) {excluded or '-'} excluded (more than the one injected failure)")
 
-    OUT.mkdir(parents=True, exist_ok=True)
     stem = "recovery_quick" if args.quick else ("recovery_only" if args.only else "recovery")  # a partial run leaves the full results alone
     fields = ["scenario", "run", "recovery_s", "reported_recovery_s", "detect_s", "reform_s", "first_step_s", "spare", "steps_lost",
               "restored_step", "kind", "path", "world_before", "world_after", "restarts", "excluded", "note"]
-    with open(OUT / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for name, _ in scenarios:
-            for r in results[name]:
-                writer.writerow({"scenario": name, **r})
-    with open(OUT / f"{stem}_summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(summary[0]) if summary else ["scenario"])
-        writer.writeheader()
-        writer.writerows(summary)
+    write_csv(OUT / f"{stem}.csv", ({"scenario": name, **r} for name, _ in scenarios for r in results[name]), fields,
+              extrasaction="ignore")
+    write_csv(OUT / f"{stem}_summary.csv", summary, list(summary[0]) if summary else ["scenario"])
     print(f"\nwrote {OUT / (stem + '.csv')} and {OUT / (stem + '_summary.csv')}")
     return 0 if all(any(not r["excluded"] for r in results[name]) for name, _ in scenarios) else 1
 

@@ -22,7 +22,6 @@ import dataclasses
 import math
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +36,8 @@ from raympi.driver.config import MPIConfig, parse_config
 from raympi.driver.data import Sampler
 from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import ChunkPlan, Pipeline
+
+from _common import OMP1, slowest_median, start_local_ray, time_reps
 
 # (a)'s members: torch cannot be imported from the interpreter's start.
 LIGHT_BOOT = (
@@ -65,13 +66,7 @@ class Light(comm.Member):
 
     def time_allreduce(self, nbytes: int, reps: int) -> list[float]:
         x = np.ones(max(1, nbytes // 4), dtype=np.float32)
-        times = []
-        for _ in range(reps + 1):  # the first is a warm-up
-            self.comm.barrier()
-            start = time.perf_counter()
-            self.comm.allreduce_array_(x)
-            times.append(time.perf_counter() - start)
-        return times[1:]
+        return time_reps(self.comm.barrier, lambda: self.comm.allreduce_array_(x), reps)  # the first is a warm-up
 
 
 @ray.remote(num_cpus=0)
@@ -177,7 +172,7 @@ def part_a(sizes: list[int], sizes_16mb: set[int], reps: int) -> list[dict[str, 
                 if label == "16MB" and n not in sizes_16mb:
                     continue
                 per_rank = ray.get([a.time_allreduce.remote(nbytes, reps if nbytes < 2**24 else max(3, reps // 4)) for a in actors])
-                row[label] = statistics.median(max(rep) for rep in zip(*per_rank))
+                row[label] = slowest_median(per_rank)
             assert not any(ray.get([a.torch_loaded.remote() for a in actors])), "a collective imported torch"
         finally:
             for a in actors:
@@ -300,8 +295,7 @@ def main() -> None:
         args.sizes, args.sizes_16mb, args.reps = [2, 4], [2], 3
         args.workers, args.chunks, args.steps = [4], [1, 4], 16
     cores = len(os.sched_getaffinity(0))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_local_ray(2, env=OMP1)
     try:
         rows_a = part_a(args.sizes, set(args.sizes_16mb), args.reps) if "a" in args.part else []
         rows_b = part_b(args.workers, args.chunks, args.steps) if "b" in args.part else []

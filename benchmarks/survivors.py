@@ -49,7 +49,6 @@ others are fixed environments (``--list`` prints them); a name may end with expe
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import os
 import random
@@ -74,6 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raympi import MPIConfig, comm  # noqa: E402
 from raympi.exceptions import CollectiveAborted  # noqa: E402
+
+from _common import start_local_ray, write_csv  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 BIG_NUMEL = 5_820_000  # 23.3 MB of float32: the 784-2048-2048-10 MLP's gradients
@@ -365,13 +366,9 @@ def trial(chain: Chain, logs: Path, rng: random.Random) -> dict[str, Any]:
     return record
 
 
-def write_csv(path: Path, chains: list[Chain]) -> None:
+def save_trials(path: Path, chains: list[Chain]) -> None:
     fields = ["setting", "trial", "kill_after_s", "how", "crash", "cause", "failure", "external", "setup_error", "trial_s"]
-    OUT.mkdir(exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(r for c in chains for r in c.trials)
+    write_csv(path, (r for c in chains for r in c.trials), fields, extrasaction="ignore")
 
 
 def main() -> None:
@@ -399,7 +396,7 @@ def main() -> None:
         return
 
     rng = random.Random(args.seed)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    start_local_ray(2, log_to_driver=False)
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())
     chains = [Chain(s, args.ranks) for s in settings]
     path = OUT / ("survivors_quick.csv" if args.quick else "survivors.csv")
@@ -420,7 +417,7 @@ def main() -> None:
                     print(f"  {chain.setting} trial {rec['trial']}: excluded, {rec['external']}", flush=True)
                 elif rec.get("failure"):
                     print(f"  {chain.setting} trial {rec['trial']}: survivor alive, but failed at {rec['failure']}", flush=True)
-            write_csv(path, chains)  # after every round: a run stopped from outside keeps what it measured
+            save_trials(path, chains)  # after every round: a run stopped from outside keeps what it measured
             print(f"trial {t + 1}/{args.trials} done ({time.monotonic() - started:.0f} s)", flush=True)
     finally:
         ray.shutdown()
