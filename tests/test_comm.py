@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raympi import comm
-from raympi.comm.communicator import INPLACE_MIN_BYTES
+from raympi.comm.wire import INPLACE_MIN_BYTES
 from raympi.exceptions import ConfigError, FormationError
 
 SIZES = [1, 2, 3, 5, 8]

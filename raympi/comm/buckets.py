@@ -11,7 +11,7 @@ on its host buffer, issued in the order the buckets were started (the same on ev
 
 On CUDA (the PyPI MPICH is not CUDA-aware) a bucket is copied to pinned host memory on a side
 stream that waits for the work that wrote it, summed there, and copied back in :meth:`finish`.
-A collective in flight polls :attr:`Communicator.abort` (``Communicator._wait``), and the buffers
+A collective in flight polls :attr:`Communicator.abort` (``Communicator.wait``), and the buffers
 of abandoned collectives are kept alive for the life of the process, as the communicator's own.
 """
 
@@ -24,12 +24,12 @@ from typing import Any, Optional
 
 import torch
 
-from raympi.comm import communicator as _communicator
+from raympi.comm.communicator import keep_alive
+from raympi.comm.tensors import REDUCE_AS
 from raympi.exceptions import CollectiveAborted, ConfigError
 
 __all__ = ["BucketAllreduce"]
 
-_REDUCE_AS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}  # MPI has no 16-bit floats
 
 
 @dataclasses.dataclass
@@ -97,7 +97,7 @@ class BucketAllreduce:
                 elif b.request is None and not b.done.is_set():
                     self._issue(b)  # its turn came after the last hook
                 if b.request is not None:
-                    self.comm._wait(b.request, b.host.numpy())
+                    self.comm.wait(b.request, b.host.numpy())
                     b.request = None
                     b.done.set()
                 if b.host is not b.tensor:
@@ -113,7 +113,7 @@ class BucketAllreduce:
         """Keep every bucket in flight alive for MPI (for good) and forget them; never reuse their buffers."""
         for i, b in enumerate(self._pending):
             if not b.done.is_set() or b.request is not None:
-                _communicator.keep_alive(b.request, b.host, b.tensor)
+                keep_alive(b.request, b.host, b.tensor)
                 self._pinned.pop(i, None)
         self._pending, self._issued = [], 0
         self.close()  # the thread issues nothing more; a fresh one serves the next step
@@ -128,7 +128,7 @@ class BucketAllreduce:
     # ------------------------------------------------------------------ staging and issuing
 
     def _stage(self, bucket: torch.Tensor, index: int) -> _Bucket:
-        wire = _REDUCE_AS.get(bucket.dtype, bucket.dtype)
+        wire = REDUCE_AS.get(bucket.dtype, bucket.dtype)
         if not bucket.is_cuda:
             return _Bucket(bucket, bucket if wire == bucket.dtype else bucket.to(wire))
         host = self._pinned.get(index)
@@ -151,8 +151,7 @@ class BucketAllreduce:
     def _issue(self, b: _Bucket) -> None:
         if b.copied is not None:
             b.copied.synchronize()  # the host copy is complete (a no-op when already so)
-        MPI = self.comm._MPI
-        b.request = self.comm.mpi.Iallreduce(MPI.IN_PLACE, b.host.numpy(), op=MPI.SUM)
+        b.request = self.comm.iallreduce(b.host.numpy())
 
     def _pump(self) -> None:
         """Inline mode: issue the ready buckets in order, and let MPI advance the ones in flight."""
@@ -181,7 +180,7 @@ class BucketAllreduce:
             try:
                 if not (failed or cancel.is_set()):
                     self._issue(b)
-                    self.comm._wait(b.request, b.host.numpy())  # polls abort; keeps an abandoned buffer alive
+                    self.comm.wait(b.request, b.host.numpy())  # polls abort; keeps an abandoned buffer alive
                     b.request = None
             except BaseException as exc:  # told to the step's thread in finish()
                 failed = True

@@ -28,23 +28,18 @@ from typing import Any, Callable
 import numpy as np
 
 from raympi.comm import library
+from raympi.comm.wire import COMPRESSIONS, INPLACE_MIN_BYTES
 from raympi.exceptions import CollectiveAborted, ConfigError
 
 __all__ = ["Communicator", "DEFAULT_BUCKET_BYTES", "keep_alive"]
 
 DEFAULT_BUCKET_BYTES = 16 * 2**20
-# Below this a tensor is packed with others (one call for many small ones); above, copying it
-# into a buffer costs more than the extra MPI call (measured: per-parameter calls beat one
-# copied flat buffer for a 5.8M-parameter MLP).
-INPLACE_MIN_BYTES = 256 * 2**10
 # How long a rank polls a collective flat out before it starts sleeping between polls.
 SPIN_S = 0.02
 
 # Everything an abandoned collective may still touch (its request, buffers, the group itself): a
 # library thread may write into it later, so it is never handed back to the allocator.
 _ABANDONED: list[tuple[Any, ...]] = []
-# Optional compression of float32 tensors to 16-bit floats on the wire (see raympi.comm.tensors.WIRE).
-_COMPRESSIONS = ("bf16", "fp16")
 
 
 def keep_alive(*objects: Any) -> None:
@@ -68,20 +63,20 @@ class Communicator:
     def __init__(self, comm: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression: str | None = None) -> None:
         if bucket_bytes < 8:
             raise ConfigError(f"bucket_bytes must be at least 8, got {bucket_bytes}")
-        if compression is not None and compression not in _COMPRESSIONS:
-            raise ConfigError(f"compression must be one of {sorted(_COMPRESSIONS)} or None, got {compression!r}")
+        if compression is not None and compression not in COMPRESSIONS:
+            raise ConfigError(f"compression must be one of {sorted(COMPRESSIONS)} or None, got {compression!r}")
         self.mpi = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self.bucket_bytes = bucket_bytes
         self.compression = compression
         self.abort = threading.Event()  # set from another thread to abandon the collective in flight
-        self._MPI = library.require()
+        self.MPI = library.require()  # the mpi4py.MPI module
         self._wire_op = None
         if compression:
             from raympi.comm import tensors
 
-            self._wire_op = self._MPI.Op.Create(tensors.sum_16bit(compression), commute=True)
+            self._wire_op = self.MPI.Op.Create(tensors.sum_16bit(compression), commute=True)
         # More ranks on this host than CPUs for them: waiting ranks must give their core away.
         hosts = comm.allgather(socket.gethostname())
         self.oversubscribed = hosts.count(socket.gethostname()) > len(os.sched_getaffinity(0))
@@ -138,7 +133,7 @@ class Communicator:
             step = max(1, self.bucket_bytes // array.itemsize)
             for start in range(0, array.size, step):
                 part = array[start : start + step]
-                self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, [part, self._MPI.INT16_T], op=self._wire_op), part)
+                self.wait(self.mpi.Iallreduce(self.MPI.IN_PLACE, [part, self.MPI.INT16_T], op=self._wire_op), part)
                 if summed is not None:
                     summed(start, start + part.size)
             return
@@ -153,9 +148,13 @@ class Communicator:
                 summed(start, min(start + step, array.size))
 
     def _allreduce_buffer(self, array: Any) -> None:
-        self._wait(self.mpi.Iallreduce(self._MPI.IN_PLACE, array, op=self._MPI.SUM), array)
+        self.wait(self.iallreduce(array), array)
 
-    def _wait(self, request: Any, buffer: Any) -> None:
+    def iallreduce(self, array: Any) -> Any:
+        """Start an in-place nonblocking SUM of a numpy buffer over all ranks; complete it with :meth:`wait`."""
+        return self.mpi.Iallreduce(self.MPI.IN_PLACE, array, op=self.MPI.SUM)
+
+    def wait(self, request: Any, buffer: Any) -> None:
         """Complete a nonblocking collective on ``buffer``, unless :attr:`abort` is set first (then raise).
 
         A blocking call could never be abandoned: polling lets a rank whose peer hung or died give

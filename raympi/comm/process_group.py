@@ -32,7 +32,8 @@ from typing import Any, Optional
 import torch
 from torch import distributed as dist
 
-from raympi.comm.communicator import INPLACE_MIN_BYTES, Communicator, keep_alive
+from raympi.comm.communicator import Communicator, keep_alive
+from raympi.comm.wire import INPLACE_MIN_BYTES
 from raympi.core import pytree
 from raympi.exceptions import CollectiveAborted, ConfigError, FormationError
 

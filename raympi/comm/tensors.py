@@ -13,17 +13,16 @@ from typing import Any, Callable
 
 import torch
 
-from raympi.comm.communicator import INPLACE_MIN_BYTES
+from raympi.comm.wire import INPLACE_MIN_BYTES, WIDENED
 from raympi.core import pytree
 
-__all__ = ["WIRE", "allreduce_tree_", "as_16bit_ints", "empty_payload", "pack_tree", "sum_16bit", "unpack_tree"]
+__all__ = ["REDUCE_AS", "REDUCIBLE", "WIRE", "allreduce_tree_", "as_16bit_ints", "empty_payload", "pack_tree", "sum_16bit", "unpack_tree"]
 
-# MPI has no 16-bit float types: such tensors are summed in float32 (exact
-# accumulation, one rounding back) at twice the bytes on the wire.
-_REDUCE_AS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+# MPI has no 16-bit float types: such tensors are summed in float32 (see raympi.comm.wire.WIDENED).
+REDUCE_AS = {getattr(torch, name): torch.float32 for name in WIDENED}
 # Optional compression: float32 gradients travel as 16-bit floats and are summed by a user-defined op.
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
+REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
 
 
 def allreduce_tree_(reduce_flat: Callable[..., None], tensors: Any, compression: str | None) -> Any:
@@ -33,8 +32,8 @@ def allreduce_tree_(reduce_flat: Callable[..., None], tensors: Any, compression:
     """
     packed: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in pytree.tensor_leaves(tensors):
-        wire = _REDUCE_AS.get(t.dtype, t.dtype)
-        if wire not in _REDUCIBLE:
+        wire = REDUCE_AS.get(t.dtype, t.dtype)
+        if wire not in REDUCIBLE:
             raise TypeError(f"allreduce cannot sum tensors of dtype {t.dtype}")
         if compression and t.dtype == torch.float32:
             wire = WIRE[compression]
