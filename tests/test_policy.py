@@ -6,8 +6,8 @@ import pytest
 
 from raympi.driver.config import parse_config
 from raympi.driver.pipeline import ChunkPlan
-from raympi.driver.policy import Capacity, Cold, Failure, FailureKind, Grow, PaceWatch, Raise, Warm, decide
-from raympi.driver.run_state import Checkpoint, RunState
+from raympi.driver.policy import Capacity, Cold, Failure, FailureKind, Grow, Raise, Warm, decide
+from raympi.driver.run_state import Checkpoint, Pace, RunState
 from raympi.exceptions import PreemptedError, RestartsExhaustedError, TrainingError
 
 K = FailureKind
@@ -44,7 +44,20 @@ TABLE = [
     ("replacement ready", Failure(K.REPLACEMENT_READY, "ready"), RUN, _cfg(), Capacity(2, 3), Grow()),
     ("planned stops do not spend the budget", Failure(K.CAPACITY_BACK, "room"), RunState(failures=3), _cfg(max_restarts=3),
      Capacity(2, 3), Cold(planned=True)),
+    ("a warm restart that could not be carried out: cold", Failure(K.WORKER_LOST, "rank 1 died", ranks=(1,),
+     warm_skipped="re-forming failed"), RUN, _cfg(), Capacity(3, 3), Cold()),
+    ("... even with the budget spent by the failure itself", Failure(K.HUNG, "rank 2 silent", ranks=(2,),
+     warm_skipped="a survivor did not stop"), RunState(failures=3), _cfg(max_restarts=3), Capacity(3, 3), Cold()),
 ]
+
+
+def test_no_capacity_after_a_failure_stops_the_run_with_a_capacity_error():
+    from raympi.exceptions import CapacityError
+
+    failure = Failure(K.NO_CAPACITY, "after the failure the cluster can host 1 worker(s)", ranks=(2,))
+    decision = decide(failure, RUN, _cfg(), Capacity(0, 1))
+    assert isinstance(decision, Raise) and isinstance(decision.error, CapacityError)
+    assert "can host 1 worker" in str(decision.error) and failure.followup
 
 
 @pytest.mark.parametrize("name, failure, run, cfg, capacity, expected", TABLE, ids=[row[0] for row in TABLE])
@@ -108,12 +121,21 @@ def test_chunk_size_aims_at_half_a_second_and_never_crosses_a_boundary(count, se
 
 
 def test_pace_watch_reports_a_group_left_far_slower_by_a_warm_restart():
-    watch = PaceWatch(factor=5.0, chunks=3, watch=6)
-    assert [watch.observe(r) for r in (1000.0, 1000.0, 1000.0)] == [None] * 3  # learning the pace
-    watch.restarted()
+    pace = Pace(factor=5.0, chunks=3, watch=6)
+
+    def feed(rates):
+        nonlocal pace
+        out = []
+        for r in rates:
+            pace, slower = pace.observe(r)
+            out.append(slower)
+        return out
+
+    assert feed((1000.0, 1000.0, 1000.0)) == [None] * 3  # learning the pace
+    pace = pace.restarted()
     # one slow chunk (the first after a restart is a single step) is not enough; three in a row are
-    assert [watch.observe(r) for r in (100.0, 900.0, 100.0, 100.0)] == [None] * 4
-    assert watch.observe(50.0) == pytest.approx(1000.0 / 50.0)
-    assert watch.observe(50.0) is None  # reported once; then it learns the new pace again
-    watch.restarted()
-    assert [watch.observe(r) for r in (900.0, 800.0, 950.0, 900.0, 1000.0, 900.0, 10.0, 10.0, 10.0)][-3:] == [None] * 3  # watch over
+    assert feed((100.0, 900.0, 100.0, 100.0)) == [None] * 4
+    assert feed((50.0,)) == [pytest.approx(1000.0 / 50.0)]
+    assert feed((50.0,)) == [None]  # reported once; then it learns the new pace again
+    pace = pace.restarted()
+    assert feed((900.0, 800.0, 950.0, 900.0, 1000.0, 900.0, 10.0, 10.0, 10.0))[-3:] == [None] * 3  # watch over

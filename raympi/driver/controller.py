@@ -23,9 +23,9 @@ from raympi.driver.capacity import cluster_capacity, worker_bundle
 from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
 from raympi.driver.callbacks import Dispatcher
-from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, PaceWatch, Raise, Warm, decide
-from raympi.driver.report import Progress, write_jsonl, write_plot
-from raympi.driver.run_state import Checkpoint, Phase, RunState
+from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, Raise, Warm, decide
+from raympi.driver.report import MetricsLog, Progress, write_plot
+from raympi.driver.run_state import Checkpoint, Phase, RunState, StepRecord, Timers
 from raympi.exceptions import FormationError
 from raympi.worker import WorkerSpec
 
@@ -47,23 +47,30 @@ class Controller:
         announce: says what a slow start is doing, a line at a time.
         fingerprint: what a checkpoint's step means (global batch, seed, dataset length, parameter
             shapes), written into every manifest so that a resume can check it.
+        new_group: builds a worker group ``(cfg, world, spec, state, ray_dataset, place_timeout_s=,
+            announce=, spares=)``; :class:`WorkerGroup` (tests pass a fake one).
+        capacity: how many workers of a bundle the cluster could host (:func:`cluster_capacity`).
     """
 
     def __init__(self, cfg: Any, spec: WorkerSpec, pipeline: Pipeline, store: CheckpointStore, run: RunState,
                  ray_dataset: Any = None, announce: Callable[[str], None] = lambda text: None,
-                 fingerprint: dict[str, Any] | None = None) -> None:
-        self.cfg, self.spec, self.pipeline, self.store, self.run = cfg, spec, pipeline, store, run
+                 fingerprint: dict[str, Any] | None = None, new_group: Callable[..., Any] = WorkerGroup,
+                 capacity: Callable[[dict[str, float]], int] = cluster_capacity) -> None:
+        self.cfg, self.spec, self.pipeline, self.store = cfg, spec, pipeline, store
+        now = time.monotonic()
+        self.run = dataclasses.replace(run, timers=Timers(progress=now, reformed=now))
         self.plan: ChunkPlan = pipeline.plan
         self.ray_dataset = ray_dataset
         self.announce = announce
         self.fingerprint = fingerprint or {}
+        self.make_group, self.capacity = new_group, capacity
         self.group: WorkerGroup | None = None
-        self.signal: str | None = None  # why the driver was asked to stop (SIGTERM, Ctrl-C)
+        # Why the driver was asked to stop (SIGTERM, Ctrl-C): written by the signal handler, which may
+        # run between any two lines of the main thread, so it is a mailbox apart from the run state.
+        self.signal: str | None = None
         self.callbacks = Dispatcher(cfg.callbacks)
-        self._detected = 0.0
-        self._last_progress = self._reformed_at = time.monotonic()  # the last chunk completed; the last re-formation
-        self._recovered_at: float | None = None  # when the newest restart record's failure was noticed
-        self.pace = PaceWatch()  # a group left far slower by a warm restart is replaced
+        # metrics.jsonl next to the checkpoints, appended (never rewritten) at checkpoints and at the end
+        self.metrics_log = MetricsLog(store.file("metrics.jsonl"), store.fs, written=run.step)
 
     # -- the state machine ------------------------------------------------------------------------
 
@@ -109,17 +116,20 @@ class Controller:
         self._enter(Phase.STARTING)
         try:
             self.group = self._new_group(self.cfg.workers, self.run.newest and self.run.newest.state)
-            self._last_progress = time.monotonic()
+            self._time(progress=time.monotonic())
             self.announce(f"training from step {self.run.step} (the first step also warms up autograd and MPI)")
         except Failed as failed:
-            return dataclasses.replace(failed.failure, phase=Phase.STARTING.value)
+            return dataclasses.replace(failed.failure, phase=Phase.STARTING)
         except FormationError as error:
-            return Failure(FailureKind.FORMATION, str(error).splitlines()[0], phase=Phase.STARTING.value)
+            return Failure(FailureKind.FORMATION, str(error).splitlines()[0], phase=Phase.STARTING)
         return None
 
+    def _time(self, **changes: Any) -> None:
+        self.run = dataclasses.replace(self.run, timers=dataclasses.replace(self.run.timers, **changes))
+
     def _new_group(self, world: int, state: Any, place_timeout_s: float | None = None) -> WorkerGroup:
-        return WorkerGroup(self.cfg, world, self.spec, state, self.ray_dataset, place_timeout_s=place_timeout_s,
-                           announce=self.announce, spares=self._spares(world))
+        return self.make_group(self.cfg, world, self.spec, state, self.ray_dataset, place_timeout_s=place_timeout_s,
+                               announce=self.announce, spares=self._spares(world))
 
     def _spares(self, world: int) -> int:
         """Hot spares: as configured, else one when the cluster has room beyond the workers (none for Ray Data)."""
@@ -127,34 +137,37 @@ class Controller:
             return 0
         if self.cfg.spares is not None:
             return self.cfg.spares
-        return 1 if cluster_capacity(self._bundle()) > world else 0
+        return 1 if self.capacity(self._bundle()) > world else 0
 
     def _decide(self, failure: Failure) -> Decision:
         """RECOVERING: what the policy says about ``failure``."""
-        self._detected = time.monotonic()
+        if not failure.followup:  # (a follow-up's failure was noticed when the first one was)
+            self._time(detected=time.monotonic())
         self._collect(wait=failure.kind.planned)  # a planned stop's checkpoint must be on disk (and known) first
-        capacity = Capacity(world=self.group.world if self.group else 0, cluster=cluster_capacity(self._bundle()))
+        capacity = Capacity(world=self.group.world if self.group else 0, cluster=self.capacity(self._bundle()))
         decision = decide(failure, self.run, self.cfg, capacity)
         log.info("raympi: %s -> %s", failure.kind.value, type(decision).__name__)
         return decision
 
     def _carry_out(self, decision: Decision, failure: Failure) -> Failure | None:
-        """Carry a Raise, Grow, Warm or Cold out; returns a follow-up failure, if any."""
-        detected, world_before, restarts = self._detected, self.group.world if self.group else 0, len(self.run.restarts)
+        """Carry a Raise, Grow, Warm or Cold out; returns a follow-up failure for the policy, if any."""
+        detected, restarts = self.run.timers.detected, len(self.run.restarts)
         spares_used = self.group.spares_used if self.group else 0
         try:
-            return self._apply(decision, failure, detected, world_before)
+            followup = self._apply(decision, failure)
         finally:
             now = time.monotonic()
-            new = [{**r, "detect_s": detected - self._last_progress, "reform_s": now - detected,
-                    "spare": bool(self.group and self.group.spares_used > spares_used and r.get("path") == "warm")}
+            new = [dataclasses.replace(r, detect_s=detected - self.run.timers.progress, reform_s=now - detected,
+                                       spare=bool(self.group and self.group.spares_used > spares_used and r.path == "warm"))
                    for r in self.run.restarts[restarts:]]
             self.run = dataclasses.replace(self.run, restarts=(*self.run.restarts[:restarts], *new))
-            self._reformed_at = now
+            self._time(reformed=now, recovering=detected if new else self.run.timers.recovering)
+            self.metrics_log.rewind(self.run.step)  # a cold restart goes back: the redone steps are logged again
             for record in new:
-                self.callbacks.restart(record)
+                self.callbacks.restart(record.as_dict())
+        return followup
 
-    def _apply(self, decision: Decision, failure: Failure, detected: float, world_before: int) -> Failure | None:
+    def _apply(self, decision: Decision, failure: Failure) -> Failure | None:
         if isinstance(decision, Raise):
             self._drop_group()
             self.store.wait(strict=False)
@@ -162,58 +175,60 @@ class Controller:
         if isinstance(decision, Grow):
             try:
                 self.run = recovery.grow(self.group, failure, self.run, self.cfg)
-            except Exception as error:  # a failed expansion is a failure like any other
+            except recovery.INFRASTRUCTURE_ERRORS as error:  # a failed expansion is a failure like any other
                 return Failure(FailureKind.WORKER_LOST, f"taking in a replacement at step {self.run.step} failed: "
-                               f"{type(error).__name__}: {error}", phase=Phase.RECOVERING.value)
+                               f"{type(error).__name__}: {error}", phase=Phase.RECOVERING)
             return None
-        skipped = None
+        world = failure.world_before or (self.group.world if self.group else 0)
         if isinstance(decision, Warm):
             try:
                 self.run = recovery.warm(self.group, decision, failure, self.run, self.cfg, self.plan.steps_per_epoch)
-                self._recovered_at = detected
-                self.pace.restarted()
-                return None
-            except recovery.WarmSkipped as why:
-                skipped = why
-        # Cold, or a Warm that could not be carried out (``skipped`` says why)
-        self._drop_group()
+            except recovery.WarmSkipped as skipped:
+                return skipped.followup(failure, world)  # the policy decides again (a cold restart)
+            self.run = dataclasses.replace(self.run, pace=self.run.pace.restarted())
+            return None
+        self._drop_group()  # Cold
         self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done
         self._collect()
-        self.group, self.run = recovery.cold(self._new_group, self._bundle(), failure, self.run, self.cfg, world_before, skipped)
-        self._recovered_at = detected
+        try:
+            self.group, self.run = recovery.cold(self._new_group, self.capacity, self._bundle(), failure, self.run,
+                                                 self.cfg, world)
+        except recovery.NoCapacity as none:
+            return none.followup(failure)
+        except Failed as failed:  # the user's code failed in the new group
+            return dataclasses.replace(failed.failure, phase=Phase.RECOVERING)
         return None
 
     def _finish(self) -> RunState:
         self.store.wait()
         self._collect()
-        self._write_reports()
+        self._write_reports(plot=True)
         self._enter(Phase.DONE)
         self.callbacks.end(list(self.run.history))
         return self.run
 
     # -- hooks the pipeline calls -----------------------------------------------------------------
 
-    def completed(self, chunk: Chunk, records: list[dict[str, Any]]) -> Failure | None:
+    def completed(self, chunk: Chunk, records: list[StepRecord]) -> Failure | None:
         """Steps done: record them, report progress; a ready replacement asks to drain and grow."""
-        restarts = self.run.restarts
-        now = time.monotonic()
-        if self._recovered_at is not None and restarts:
+        run, now = self.run, time.monotonic()
+        restarts, timers = run.restarts, run.timers
+        if timers.recovering is not None and restarts:
             # failure noticed -> first step completed after it, and re-formed -> that step
-            restarts = (*restarts[:-1], {**restarts[-1], "recovery_s": now - self._recovered_at,
-                                         "first_step_s": now - self._reformed_at})
-            self._recovered_at = None
-        self._last_progress = now
-        self.run = dataclasses.replace(self.run, history=(*self.run.history, *records), restarts=restarts)
+            restarts = (*restarts[:-1], dataclasses.replace(restarts[-1], recovery_s=now - timers.recovering,
+                                                            first_step_s=now - timers.reformed))
+        pace, slower = run.pace.observe(records[-1]["samples_per_s"])
+        self.run = dataclasses.replace(run, history=run.history.append(records), step=records[-1]["step"], restarts=restarts,
+                                       timers=dataclasses.replace(timers, progress=now, recovering=None), pace=pace)
         self._collect()
         self.progress.update(chunk.last, records[-1], force=chunk.eval is not None or chunk.last == self.plan.total)
         if self.callbacks.steps(records) and chunk.last < self.plan.total:
-            return Failure(FailureKind.EARLY_STOP, f"stopped by a callback after step {chunk.last}", phase=Phase.DRAINING.value)
+            return Failure(FailureKind.EARLY_STOP, f"stopped by a callback after step {chunk.last}", phase=Phase.DRAINING)
         if self.group.pending_ready() and chunk.last < self.plan.total:
-            return Failure(FailureKind.REPLACEMENT_READY, "replacement ready", phase=Phase.DRAINING.value)
-        slower = self.pace.observe(records[-1]["samples_per_s"])
+            return Failure(FailureKind.REPLACEMENT_READY, "replacement ready", phase=Phase.DRAINING)
         if slower and chunk.last < self.plan.total:
             return Failure(FailureKind.DEGRADED, f"steps ran {slower:.0f}x slower after the warm restart than before it",
-                           phase=Phase.DRAINING.value)
+                           phase=Phase.DRAINING)
         return None
 
     def draining(self, stop: Failure) -> None:
@@ -223,25 +238,26 @@ class Controller:
     def save(self, state_ref: Any, step: int) -> Failure | None:
         """Write rank 0's state as a checkpoint in the background; room for more workers asks to drain and regroup."""
         epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
+        # The cursor and the last record, not the history: that is metrics.jsonl's (appended just now).
         manifest = {
             "step": step, "epoch": epoch, "cursor": {"epoch": epoch, "step_in_epoch": in_epoch},
-            "world_size": self.group.world, "metrics": self.run.history[-1] if self.run.history else {},
-            "config": _plain_config(self.cfg), "run": self.fingerprint, "history": list(self.run.history), "restarts": list(self.run.restarts),
+            "world_size": self.group.world, "metrics": self.run.history.last or {},
+            "config": _plain_config(self.cfg), "run": self.fingerprint, "restarts": [r.as_dict() for r in self.run.restarts],
             "saved_at": time.time(),
         }
         self.store.save_async(state_ref, manifest)
-        self._write_reports(plot=False)
+        self._write_reports()
         group = self.group
         if (step < self.plan.total and group.world < self.cfg.workers and not group.pending
-                and cluster_capacity(self._bundle()) > group.world):
-            return Failure(FailureKind.CAPACITY_BACK, "capacity returned", phase=Phase.DRAINING.value)
+                and self.capacity(self._bundle()) > group.world):
+            return Failure(FailureKind.CAPACITY_BACK, "capacity returned", phase=Phase.DRAINING)
         return None
 
     # -- helpers ----------------------------------------------------------------------------------
 
     def _stop_requested(self) -> Failure | None:
         if self.signal is not None:
-            return Failure(FailureKind.DRIVER_SIGTERM, self.signal, phase=Phase.DRAINING.value)
+            return Failure(FailureKind.DRIVER_SIGTERM, self.signal, phase=Phase.DRAINING)
         return None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -268,8 +284,9 @@ class Controller:
             self.group.shutdown()
             self.group = None
 
-    def _write_reports(self, plot: bool = True) -> None:
-        write_jsonl(list(self.run.history), self.store.file("metrics.jsonl"), self.store.fs)
+    def _write_reports(self, plot: bool = False) -> None:
+        """Append the steps not yet in metrics.jsonl; at the end, the plot too (it reads the whole history)."""
+        self.metrics_log.append(self.run.history)
         if plot:
             write_plot(list(self.run.history), self.store.file("metrics.png"), self.store.fs)
 

@@ -28,7 +28,8 @@ from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import FitConfig, parse_config
 from raympi.driver.controller import Controller
 from raympi.driver.pipeline import ChunkPlan, Pipeline
-from raympi.driver.run_state import Checkpoint, RunState
+from raympi.driver.report import read_metrics
+from raympi.driver.run_state import Checkpoint, History, RunState
 from raympi.exceptions import ConfigError, MPIUnavailableError, TrainingError
 from raympi.worker import WorkerSpec, to_tensors
 from raympi.worker.checkpoint_io import StoredState
@@ -148,7 +149,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         state = pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(kept))
         model.load_state_dict({**state.params, **state.buffers}, strict=False)
         return Result(state=state, model=model, metrics=list(final.history), checkpoint=final.newest.path,
-                      restarts=list(final.restarts), ema=optim.ema_params(state.opt_state))
+                      restarts=[r.as_dict() for r in final.restarts], ema=optim.ema_params(state.opt_state))
     finally:
         store.close()
         if started_ray:
@@ -216,8 +217,11 @@ def _resumed(store: CheckpointStore, fingerprint: dict[str, Any]) -> RunState:
                           + "; ".join(_differences(saved, fingerprint))
                           + ". Resume with the same values, or pass a new checkpoint_dir to start afresh")
     step = int(manifest["step"])
-    history = tuple(r for r in manifest.get("history", []) if r["step"] <= step)
-    return RunState(start_step=step, history=history, newest=Checkpoint(step, path, state))
+    if "history" in manifest:  # written before metrics.jsonl was appended (raympi <= 0.1's manifests)
+        records = [r for r in manifest["history"] if r["step"] <= step]
+    else:
+        records = read_metrics(store.file("metrics.jsonl"), store.fs, until=step)
+    return RunState(step=step, start_step=step, history=History.of(records), newest=Checkpoint(step, path, state))
 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

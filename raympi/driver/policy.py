@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
+from raympi.driver.run_state import Phase, RunState
 from raympi.exceptions import (
-    FormationError, PreemptedError, RaympiError, RestartsExhaustedError, StepTimeoutError, WorkerLostError,
+    CapacityError, FormationError, PreemptedError, RaympiError, RestartsExhaustedError, StepTimeoutError, WorkerLostError,
 )
 
-__all__ = ["Capacity", "Cold", "Decision", "Failure", "FailureKind", "Finish", "Grow", "PaceWatch", "Raise", "Warm", "decide"]
+if TYPE_CHECKING:
+    from raympi.driver.config import FitConfig
+
+__all__ = ["Capacity", "Cold", "Decision", "Failed", "Failure", "FailureKind", "Finish", "Grow", "Raise", "Warm", "decide"]
 
 
 class FailureKind(str, enum.Enum):
@@ -34,6 +38,7 @@ class FailureKind(str, enum.Enum):
     REPLACEMENT_READY = "replacement_ready"  # a replacement started earlier can join now
     EARLY_STOP = "early_stop"  # a callback asked to stop: checkpoint taken, finish normally
     DEGRADED = "degraded"  # far slower after a warm restart (MPI left sick): checkpoint taken, a fresh group
+    NO_CAPACITY = "no_capacity"  # a restart found no way to host min_workers within restart_timeout_s
 
     @property
     def planned(self) -> bool:
@@ -59,6 +64,10 @@ class Failure:
         chunks: the chunks of steps in flight when it happened (survivors may still report them).
         error: the exception to raise when the run stops over it (user errors, driver SIGTERM).
         phase: the controller's phase when it was seen.
+        warm_skipped: set on the follow-up of a warm restart that could not be carried out: why.
+        resume: with ``warm_skipped``: ``(step, state ref, history)`` of the survivors, when they
+            were still whole, for the cold restart to start from instead of an older checkpoint.
+        world_before: on a follow-up, the group's size when the first failure was seen.
     """
 
     kind: FailureKind
@@ -67,13 +76,22 @@ class Failure:
     nodes: tuple[str, ...] = ()
     chunks: tuple[Any, ...] = ()
     error: BaseException | None = None
-    phase: str = "running"
+    phase: Phase = Phase.RUNNING
+    warm_skipped: str | None = None
+    resume: tuple[int, Any, Any] | None = None
+    world_before: int | None = None
+
+    @property
+    def followup(self) -> bool:
+        """Whether it comes out of carrying out an earlier decision (its failure was noticed already)."""
+        return self.warm_skipped is not None or self.kind is FailureKind.NO_CAPACITY
 
     def as_error(self) -> RaympiError:
         """The public exception that stands for this failure."""
         if isinstance(self.error, RaympiError):
             return self.error
-        kind = {FailureKind.HUNG: StepTimeoutError, FailureKind.FORMATION: FormationError}.get(self.kind, WorkerLostError)
+        kind = {FailureKind.HUNG: StepTimeoutError, FailureKind.FORMATION: FormationError,
+                FailureKind.NO_CAPACITY: CapacityError}.get(self.kind, WorkerLostError)
         return kind(self.cause)
 
 
@@ -83,37 +101,6 @@ class Failed(Exception):
     def __init__(self, failure: Failure) -> None:
         super().__init__(failure.cause)
         self.failure = failure
-
-
-class PaceWatch:
-    """Notices a group that runs far slower after a warm restart than before it.
-
-    A survivor's MPI library can be left sick by a peer that died mid-collective (seen here: MPICH
-    over UCX after a node loss, every step ~15x slower).  Fed each chunk's samples/s, it learns the
-    pace (a moving average) while no restart is being watched, and for ``watch`` chunks after a warm
-    restart reports the slowdown once ``chunks`` chunks in a row ran ``factor`` times slower.
-    """
-
-    def __init__(self, factor: float = 5.0, chunks: int = 3, watch: int = 12) -> None:
-        self.factor, self.chunks, self.watch = factor, chunks, watch
-        self.pace: float | None = None
-        self._left = self._slow = 0
-
-    def restarted(self) -> None:
-        """A warm restart happened: watch the chunks that follow."""
-        self._left, self._slow = self.watch, 0
-
-    def observe(self, rate: float) -> float | None:
-        """Take one chunk's samples/s; returns how many times slower the group is when it is degraded."""
-        if not self._left:
-            self.pace = rate if self.pace is None else 0.8 * self.pace + 0.2 * rate
-            return None
-        self._left -= 1
-        self._slow = self._slow + 1 if self.pace and rate * self.factor < self.pace else 0
-        if self._slow < self.chunks:
-            return None
-        self._left = 0
-        return self.pace / max(rate, 1e-9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +154,12 @@ class Raise:
 Decision = Union[Warm, Cold, Grow, Finish, Raise]
 
 
-def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decision:
+def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capacity) -> Decision:
     """What to do about ``failure``.
 
     Args:
         failure: what happened.
-        run: the :class:`~raympi.driver.run_state.RunState` (read: ``failures``, ``newest``, ``warm_possible``).
+        run: the run's state (read: ``failures``, ``newest``, ``warm_possible``).
         config: the run's options (read: ``max_restarts``, ``min_workers``).
         capacity: the current group's size and what the cluster could host.
 
@@ -180,8 +167,10 @@ def decide(failure: Failure, run: Any, config: Any, capacity: Capacity) -> Decis
         One of :class:`Warm`, :class:`Cold`, :class:`Grow`, :class:`Finish`, :class:`Raise`.
     """
     kind = failure.kind
-    if kind is FailureKind.USER_ERROR:
+    if kind in (FailureKind.USER_ERROR, FailureKind.NO_CAPACITY):
         return Raise(failure.as_error())
+    if failure.warm_skipped is not None:  # the warm restart decided before could not be carried out
+        return Cold()
     if kind is FailureKind.DRIVER_SIGTERM:
         if run.newest is None:
             return Raise(PreemptedError(f"{failure.cause} before any checkpoint was written: nothing to resume from"))

@@ -16,35 +16,53 @@ from typing import Any, Callable
 
 import ray
 
-from raympi.deadline import Deadline
-from raympi.driver.capacity import cluster_capacity
+from raympi.deadline import Deadline, Expired
 from raympi.driver.group import WorkerGroup, succeeded
 from raympi.driver.policy import Failed, Failure, FailureKind, Warm
-from raympi.driver.run_state import RunState
+from raympi.driver.run_state import History, Phase, RestartRecord, RunState
 from raympi.exceptions import CapacityError, FormationError
 
-__all__ = ["WarmSkipped", "cold", "grow", "record_of", "warm"]
+__all__ = ["INFRASTRUCTURE_ERRORS", "NoCapacity", "WarmSkipped", "cold", "grow", "record_of", "warm"]
 
 
 class WarmSkipped(Exception):
-    """The warm path could not be carried out (the message says why); a cold restart follows.
+    """The warm path could not be carried out (the message says why): the controller asks the policy again.
 
     ``resume``: ``(step, state ref, history)`` of the survivors when they were still whole (re-forming
     failed), for the cold restart to start from instead of the older checkpoint.
     """
 
-    def __init__(self, message: str, resume: tuple[int, Any, tuple] | None = None) -> None:
+    def __init__(self, message: str, resume: tuple[int, Any, History] | None = None) -> None:
         super().__init__(message)
         self.resume = resume
 
+    def followup(self, failure: Failure, world: int) -> Failure:
+        """The failure to decide on again: the same one, marked as a warm restart given up (by a group of ``world``)."""
+        return dataclasses.replace(failure, warm_skipped=str(self), resume=self.resume, phase=Phase.RECOVERING,
+                                   world_before=world)
 
-def record_of(failure: Failure, run: RunState, world: int) -> dict[str, Any]:
+
+class NoCapacity(Exception):
+    """A cold restart found no way to host ``min_workers`` within ``restart_timeout_s`` (the message says why)."""
+
+    def followup(self, failure: Failure) -> Failure:
+        """The failure to decide on again (the policy stops the run with a :class:`CapacityError`)."""
+        return Failure(FailureKind.NO_CAPACITY, str(self), ranks=failure.ranks, nodes=failure.nodes, phase=Phase.RECOVERING,
+                       world_before=failure.world_before)
+
+
+# What re-forming a group or starting one may raise when the cluster, not our code, is at fault.
+INFRASTRUCTURE_ERRORS = (CapacityError, FormationError, Failed, Expired, ray.exceptions.RayError)
+
+
+def record_of(failure: Failure, run: RunState, world: int) -> RestartRecord:
     """A restart record's first fields: what failed, when, and in which phase."""
-    return {"time": time.time(), "step": run.step, "ranks": list(failure.ranks), "nodes": list(failure.nodes),
-            "cause": failure.cause, "kind": failure.kind.value, "phase": failure.phase, "path": "cold", "world_before": world}
+    return RestartRecord(time=time.time(), step=run.step, ranks=tuple(failure.ranks), nodes=tuple(failure.nodes),
+                         cause=failure.cause, kind=failure.kind.value, phase=failure.phase.value, world_before=world,
+                         warm_skipped=failure.warm_skipped)
 
 
-def _append(run: RunState, record: dict[str, Any], failure: Failure | None, **changes: Any) -> RunState:
+def _append(run: RunState, record: RestartRecord, failure: Failure | None, **changes: Any) -> RunState:
     counted = failure is not None and failure.kind.counted
     return dataclasses.replace(run, restarts=(*run.restarts, record), failures=run.failures + counted, **changes)
 
@@ -86,50 +104,57 @@ def warm(group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cf
     root = max(survivors, key=lambda r: done[r])
     step, world_before = done[root], group.world
     print(f"raympi: {failure.cause}; warm restart of {len(survivors)} survivor(s) at step {step}", file=sys.stderr)
-    history = list(run.until(step))
-    for s in range(run.step + 1, step + 1):  # steps the survivors finished but the driver had not seen yet
-        history.append({"step": s, "epoch": (s - 1) // steps_per_epoch, **reported.get(s, {}), "world_size": world_before, "time": time.time()})
+    # Steps the survivors finished but the driver had not seen yet: their metrics as the survivors
+    # reported them, marked as reconstructed (their time is when the driver learnt of them).
+    seen = [{"step": s, "epoch": (s - 1) // steps_per_epoch, **reported.get(s, {}), "world_size": world_before,
+             "time": time.time(), "reconstructed": True} for s in range(run.step + 1, step + 1)]
+    history = run.until(step).append(seen)
     # Taken from the root's health thread while it re-forms; used only if re-forming fails.
     snapshot = group.actors[root].snapshot.remote()
     try:
         group.reform(survivors, root, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
-    except Exception as error:  # the cold path starts a new group, from the survivors' state if it was saved
+    except INFRASTRUCTURE_ERRORS as error:  # a cold restart follows, from the survivors' state if it was saved
         saved = ray.wait([snapshot], timeout=Deadline(cfg.step_timeout_s).remaining())[0]
         raise WarmSkipped(f"re-forming failed: {type(error).__name__}: {error}",
-                          resume=(step, snapshot, tuple(history)) if saved and succeeded(snapshot) else None) from None
-    record.update(path="warm", world_after=group.world, steps_lost=max(0, record["step"] - step), restored_step=step)
-    return _append(run, record, failure, history=tuple(history), start_step=step)
+                          resume=(step, snapshot, history) if saved and succeeded(snapshot) else None) from None
+    record = dataclasses.replace(record, path="warm", world_after=group.world, steps_lost=max(0, record.step - step),
+                                 restored_step=step)
+    return _append(run, record, failure, history=history, step=step, start_step=step)
 
 
-def cold(start_group: Callable[..., WorkerGroup], bundle: dict[str, float], failure: Failure, run: RunState, cfg: Any,
-         world_before: int, warm_skipped: WarmSkipped | None = None) -> tuple[WorkerGroup, RunState]:
+def cold(start_group: Callable[..., WorkerGroup], capacity: Callable[[dict[str, float]], int], bundle: dict[str, float],
+         failure: Failure, run: RunState, cfg: Any, world_before: int) -> tuple[WorkerGroup, RunState]:
     """A new group of as many workers as the cluster can host (``min_workers`` to ``workers``,
-    waiting up to ``restart_timeout_s``), restored from the survivors' state when a failed warm
-    restart saved it, else from the newest checkpoint in driver memory.
+    waiting up to ``restart_timeout_s``), restored from the survivors' state when a warm restart
+    given up saved it (``failure.resume``), else from the newest checkpoint in driver memory.
 
-    ``start_group(world, state, place_timeout_s)`` builds a :class:`WorkerGroup`.
+    ``start_group(world, state, place_timeout_s)`` builds a :class:`WorkerGroup`; ``capacity(bundle)``
+    counts the workers the cluster could host.
+
+    Raises:
+        NoCapacity: no group of ``min_workers`` could be started within ``restart_timeout_s``.
+        Failed: a worker of the new group failed in the user's code (the policy stops the run).
     """
     record = record_of(failure, run, world_before)
     step, state = (run.newest.step, run.newest.state) if run.newest else (0, None)
     history = run.until(step)
-    if warm_skipped:
-        record["warm_skipped"] = str(warm_skipped)
-        if warm_skipped.resume:
-            (step, state, history), record["from"] = warm_skipped.resume, "survivors"
+    if failure.resume:
+        (step, state, history), record = failure.resume, dataclasses.replace(record, source="survivors")
     print(f"raympi: {failure.cause}; restarting from step {step}", file=sys.stderr)
     deadline = Deadline(cfg.restart_timeout_s, "restart_timeout_s")
     last_error: Exception | None = None
     cap = cfg.workers
     for remaining in deadline.backoff(first_s=0.05, most_s=1.0):
-        world = min(cap, cluster_capacity(bundle))
+        world = min(cap, capacity(bundle))
         if world >= cfg.min_workers:
             try:
                 group = start_group(world, state, min(5.0, max(1.0, remaining)))
-                record.update(world_after=group.world, steps_lost=max(0, record["step"] - step), restored_step=step)
-                return group, _append(run, record, failure, history=history, start_step=step)
+                record = dataclasses.replace(record, world_after=group.world, steps_lost=max(0, record.step - step),
+                                             restored_step=step)
+                return group, _append(run, record, failure, history=history, step=step, start_step=step)
             except (CapacityError, FormationError, Failed) as error:  # a node went away meanwhile: count again
                 if isinstance(error, Failed) and error.failure.kind is FailureKind.USER_ERROR:
-                    raise error.failure.as_error() from None
+                    raise  # the policy's to decide on
                 last_error = error
                 # Ray may still count a cut-off node as alive: ask for one worker fewer next time
                 # (a later checkpoint grows the group back once the capacity is real).
@@ -137,15 +162,13 @@ def cold(start_group: Callable[..., WorkerGroup], bundle: dict[str, float], fail
     why = (f"the cluster can host {world} worker(s) of {bundle}, fewer than min_workers={cfg.min_workers}"
            if world < cfg.min_workers else f"re-forming {world} worker(s) kept failing (last: {last_error})")
     newest = run.newest.path if run.newest else None
-    raise CapacityError(f"after the failure {why}, and no way forward was found within {deadline.setting}. "
-                        f"The newest checkpoint is {newest}: fit(..., resume=True) continues from it")
+    raise NoCapacity(f"after the failure {why}, and no way forward was found within {deadline.setting}. "
+                     f"The newest checkpoint is {newest}: fit(..., resume=True) continues from it")
 
 
 def grow(group: WorkerGroup, failure: Failure, run: RunState, cfg: Any) -> RunState:
     """Take the replacements that are ready into the group (warm: rank 0's state by broadcast)."""
-    start = time.monotonic()
-    record = {**record_of(failure, run, group.world), "path": "warm", "restored_step": run.step, "steps_lost": 0}
+    record = dataclasses.replace(record_of(failure, run, group.world), path="warm", restored_step=run.step, steps_lost=0)
     group.reform(list(range(group.world)), 0, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
-    record.update(world_after=group.world, recovery_s=time.monotonic() - start)
-    return _append(run, record, failure)
+    return _append(run, dataclasses.replace(record, world_after=group.world), failure)
 

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Announcer", "Progress", "write_plot", "write_jsonl"]
+__all__ = ["Announcer", "MetricsLog", "Progress", "read_metrics", "write_plot"]
 
 
 class Announcer:
@@ -99,7 +99,50 @@ def write_plot(history: list[dict[str, Any]], path: str, fs: Any) -> None:
     plt.close(fig)
 
 
-def write_jsonl(records: list[dict[str, Any]], path: str, fs: Any) -> None:
-    """Write metric records as a JSON-lines file (whole, so it works on object stores too)."""
-    with fs.open(path, "wb") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in records).encode())
+class MetricsLog:
+    """``metrics.jsonl``: one JSON line per step, appended, never rewritten.
+
+    ``append(history)`` writes the records of steps after the last one written.  A step run again
+    after a restart (the steps past the checkpoint a cold restart went back to) appears again,
+    further down: the last line of a step is the one the run kept (:func:`read_metrics` reads it so).
+    A filesystem that cannot append (an object store) gets the whole file rewritten instead.
+    """
+
+    def __init__(self, path: str, fs: Any, written: int = 0) -> None:
+        self.path, self.fs, self.written = path, fs, written
+
+    def append(self, history: Any) -> None:
+        """Write the records of ``history`` (a :class:`~raympi.driver.run_state.History`) after the last step written."""
+        new = history.after(self.written)
+        if not new:
+            return
+        text = "".join(json.dumps(r) + "\n" for r in new).encode()
+        try:
+            with self.fs.open(self.path, "ab") as f:
+                f.write(text)
+        except (NotImplementedError, ValueError, OSError):  # no append on this filesystem
+            with self.fs.open(self.path, "wb") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in history).encode())
+        self.written = new[-1]["step"]
+
+    def rewind(self, step: int) -> None:
+        """Training went back to ``step`` (a restart): the steps after it will be written again when redone."""
+        self.written = min(self.written, step)
+
+
+def read_metrics(path: str, fs: Any, until: int) -> list[dict[str, Any]]:
+    """The records of steps 1..``until`` in ``metrics.jsonl`` (a step's last line wins); [] when there is none."""
+    try:
+        with fs.open(path, "rb") as f:
+            lines = f.read().decode().splitlines()
+    except (FileNotFoundError, OSError):
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a crash mid-write
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= until:
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]

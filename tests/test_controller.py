@@ -1,0 +1,106 @@
+"""The controller and the recovery actions, driven with no Ray: a fake group and a scripted pipeline.
+
+What the live tests (test_elastic, test_chaos) cannot show cheaply: the records, the append-only
+metrics log, the manifests without history, and every decision taken by the policy.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from fakes import FakeGroup, ScriptedPipeline, failing_group
+from raympi.driver.checkpoint import CheckpointStore
+from raympi.driver.config import parse_config
+from raympi.driver.controller import Controller
+from raympi.driver.pipeline import ChunkPlan
+from raympi.driver.policy import Failure, FailureKind
+from raympi.driver.report import MetricsLog, read_metrics
+from raympi.driver.run_state import History, RunState
+from raympi.exceptions import CapacityError, TrainingError
+
+
+def _controller(tmp_path, pipeline, capacity=lambda bundle: 3, new_group=FakeGroup, **options):
+    cfg = parse_config(workers=3, min_workers=2, batch_size=24, restart_timeout_s=0.5, **options)
+    store = CheckpointStore(str(tmp_path), keep=2)
+    return Controller(cfg, spec=type("Spec", (), {"device": "cpu"})(), pipeline=pipeline, store=store, run=RunState(),
+                      new_group=new_group, capacity=capacity), store
+
+
+def _lines(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_to_the_end_logs_every_step_once_and_manifests_carry_no_history(tmp_path):
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    controller, store = _controller(tmp_path, ScriptedPipeline(plan))
+    run = controller.fit()
+    store.close()
+    assert run.step == 30 and [r["step"] for r in run.history] == list(range(1, 31))
+    assert [r["step"] for r in _lines(tmp_path)] == list(range(1, 31))  # appended at 10, 20, 30: each step once
+    manifest = json.loads((tmp_path / "step-00000030" / "manifest.json").read_text())
+    assert "history" not in manifest and manifest["metrics"]["step"] == 30 and manifest["cursor"] == {"epoch": 3, "step_in_epoch": 0}
+    assert run.restarts == () and run.phase.value == "done"
+
+
+def test_a_cold_restart_goes_back_to_the_checkpoint_and_logs_the_redone_steps_again(tmp_path):
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
+    controller, store = _controller(tmp_path, pipeline)
+    run = controller.fit()
+    store.close()
+    assert pipeline.starts == [0, 20]  # restored from the checkpoint of step 20
+    (record,) = run.restarts
+    assert (record.kind, record.path, record.restored_step, record.steps_lost, record.world_after) == ("collective", "cold", 20, 5, 3)
+    assert record.recovery_s is not None and record.recovery_s >= record.reform_s >= 0 and record.first_step_s >= 0
+    assert [r["step"] for r in run.history] == list(range(1, 31))  # the trajectory: each step once
+    logged = [r["step"] for r in _lines(tmp_path)]
+    assert logged == list(range(1, 31))  # steps 21-25 were never logged before the failure (no checkpoint after 20)
+    assert run.failures == 1 and FakeGroup.made[-1].world == 3
+
+
+def test_no_capacity_after_a_failure_is_the_policys_capacity_error(tmp_path):
+    plan = ChunkPlan(total=20, steps_per_epoch=10, checkpoint_every=10)
+    capacity = iter([3] + [1] * 1000)  # room at the start, one worker's worth after the failure
+    pipeline = ScriptedPipeline(plan, failures={12: Failure(FailureKind.WORKER_LOST, "node lost", ranks=(1, 2))})
+    controller, store = _controller(tmp_path, pipeline, capacity=lambda bundle: next(capacity))
+    with pytest.raises(CapacityError, match="can host 1 worker.*fewer than min_workers=2"):
+        controller.fit()
+    store.close()
+    assert controller.run.phase.value == "failed"
+
+
+def test_a_user_error_while_restarting_stops_the_run(tmp_path):
+    plan = ChunkPlan(total=20, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, failures={12: Failure(FailureKind.COLLECTIVE, "a collective failed")})
+    error = TrainingError("setting up the workers: rank 0 of 3 raised ValueError: bad")
+    controller, store = _controller(tmp_path, pipeline)
+    controller.make_group = failing_group(Failure(FailureKind.USER_ERROR, "bad", ranks=(0,), error=error))
+    with pytest.raises(TrainingError, match="raised ValueError: bad"):
+        controller.fit()
+    store.close()
+
+
+def test_a_run_resumed_from_metrics_jsonl(tmp_path):
+    """A resume reads the history it needs from metrics.jsonl, the last line of a step winning."""
+    log = MetricsLog(str(tmp_path / "metrics.jsonl"), CheckpointStore(str(tmp_path)).fs)
+    history = History().append([{"step": s, "loss": 1.0} for s in range(1, 11)])
+    log.append(history)
+    log.rewind(6)  # a cold restart went back to step 6: steps 7-10 are redone
+    log.append(history.until(6).append([{"step": s, "loss": 2.0} for s in range(7, 9)]))
+    rows = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [*range(1, 11), 7, 8]  # appended, never rewritten
+    read = read_metrics(str(tmp_path / "metrics.jsonl"), log.fs, until=8)
+    assert [r["step"] for r in read] == list(range(1, 9)) and [r["loss"] for r in read][6:] == [2.0, 2.0]
+
+
+def test_history_appends_in_constant_time_and_truncates():
+    h = History()
+    for s in range(1, 1001, 10):
+        h = h.append([{"step": k} for k in range(s, s + 10)])
+    assert len(h) == 1000 and h.last["step"] == 1000
+    assert [r["step"] for r in h.until(995)][-3:] == [993, 994, 995] and len(h.until(995)) == 995
+    assert [r["step"] for r in h.after(997)] == [998, 999, 1000] and len(h.until(0)) == 0
+    assert len(h) == 1000  # persistent: the old one is untouched
