@@ -104,3 +104,22 @@ def test_history_appends_in_constant_time_and_truncates():
     assert [r["step"] for r in h.until(995)][-3:] == [993, 994, 995] and len(h.until(995)) == 995
     assert [r["step"] for r in h.after(997)] == [998, 999, 1000] and len(h.until(0)) == 0
     assert len(h) == 1000  # persistent: the old one is untouched
+
+
+def test_a_checkpoint_written_before_metrics_jsonl_was_appended_still_resumes(tmp_path):
+    """Old manifests carried the whole history; a resume takes it from there (and newer ones from metrics.jsonl)."""
+    import torch
+
+    from raympi.driver.fit import _resumed
+
+    store = CheckpointStore(str(tmp_path))
+    old = [{"step": s, "loss": 1.0 / s} for s in range(1, 13)]
+    store.save({"params": {"w": torch.ones(2)}}, {"step": 10, "history": old, "metrics": old[9]})
+    run = _resumed(store, {"batch_size": 8})
+    assert run.step == run.start_step == 10 and [r["step"] for r in run.history] == list(range(1, 11))
+    new = tmp_path / "new"
+    store = CheckpointStore(str(new))
+    MetricsLog(store.file("metrics.jsonl"), store.fs).append(History.of(old))
+    store.save({"params": {"w": torch.ones(2)}}, {"step": 10, "metrics": old[9]})
+    run = _resumed(store, {"batch_size": 8})
+    assert run.step == 10 and [r["step"] for r in run.history] == list(range(1, 11))
