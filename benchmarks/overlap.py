@@ -51,7 +51,7 @@ MODES = ("compute only", "allreduce only", "sequential", "overlapped")
 class Rank(comm.Member):
     def run(self, reps: int, rounds: int) -> dict[str, float]:
         torch.set_num_threads(1)
-        MPI, mpi = self.comm._MPI, self.comm.mpi
+        MPI, mpi = self.comm.MPI, self.comm.mpi
         grad = torch.ones(2048 * 2048)
         a, b = torch.randn(32, 784), torch.randn(32, 2048)
         out: dict[str, list[float]] = {}
@@ -66,13 +66,13 @@ class Rank(comm.Member):
                         for _ in range(6):
                             b.t() @ a
                             request.Test()  # give MPI a chance to progress between pieces of work
-                        self.comm._wait(request, grad)
+                        self.comm.wait(request, grad)
                     else:
                         if mode != "allreduce only":
                             for _ in range(6):
                                 b.t() @ a
                         if mode != "compute only":
-                            self.comm._reduce_flat(grad)
+                            self.comm.allreduce_array_(grad.numpy())
                     times.append(time.perf_counter() - start)
                 out.setdefault(mode, []).append(statistics.median(times) * 1e3)
         return {mode: statistics.median(v) for mode, v in out.items()}

@@ -79,7 +79,7 @@ class Profiler(comm.Member):
             fwd_times.append(time.perf_counter() - start)
             self.comm.barrier()
             start = time.perf_counter()
-            self.comm._reduce_flat(flat)
+            self.comm.allreduce_array_(flat.numpy())
             raw_times.append(time.perf_counter() - start)
         med = lambda xs: statistics.median(xs[3:]) * 1e3  # noqa: E731  first 3 are warm-up
         return {"step": med(step_times), "fwd_bwd": med(fb_times), "fwd": med(fwd_times), "allreduce": med(sync_times), "raw": med(raw_times),
