@@ -17,6 +17,7 @@ Requires root and ``ip netns``; :func:`unavailable` says why not, for a skip.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -40,8 +41,9 @@ def sh(*cmd: str, timeout: float = 30, check: bool = True, **kw) -> subprocess.C
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=check, **kw)
 
 
+@functools.cache
 def unavailable() -> str | None:
-    """Why network-namespace hosts cannot be built here, or None when they can."""
+    """Why network-namespace hosts cannot be built here, or None when they can (probed once a session)."""
     if os.geteuid() != 0:
         return "network-namespace hosts need root (ip netns add, veth pairs, a bridge)"
     if shutil.which("ip") is None:

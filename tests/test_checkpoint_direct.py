@@ -113,13 +113,21 @@ def test_storage_that_rank0_cannot_see_is_written_by_the_driver_with_a_warning(r
     assert all(torch.equal(state["params"][k], result.state.params[k]) for k in result.state.params)
 
 
-def _workers_since(start: float) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline", "status", "create_time"]):
-        cmd = p.info["cmdline"] or []
-        if cmd and cmd[0].startswith("ray::Worker") and p.info["status"] != psutil.STATUS_ZOMBIE and p.info["create_time"] >= start:
-            found.append(p)
-    return sorted(found, key=lambda p: p.info["create_time"])
+def _ranks_since(start: float, least: int = 2, timeout: float = 20.0) -> list[psutil.Process]:
+    """Worker processes started after ``start`` that are running steps ('ray::Worker.run'), oldest
+    first; waits (up to ``timeout``) until ``least`` of them are: on a loaded machine a rank may not
+    have taken its chunk yet when the checkpoint appears."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = []
+        for p in psutil.process_iter(["cmdline", "status", "create_time"]):
+            cmd = p.info["cmdline"] or []
+            if (cmd and cmd[0].startswith("ray::Worker.run") and p.info["status"] != psutil.STATUS_ZOMBIE
+                    and p.info["create_time"] >= start):
+                found.append(p)
+        if len(found) >= least or time.monotonic() > deadline:
+            return sorted(found, key=lambda p: p.info["create_time"])
+        time.sleep(0.01)
 
 
 def test_a_cold_restart_reads_the_rank0_checkpoint_from_storage(driver_written, tmp_path, stores, monkeypatch):
@@ -135,7 +143,7 @@ def test_a_cold_restart_reads_the_rank0_checkpoint_from_storage(driver_written, 
     def kill_rank1():
         while not (tmp_path / "step-00000008").exists():
             time.sleep(0.02)
-        victims = _workers_since(start)
+        victims = _ranks_since(start)
         os.kill(victims[1].pid, signal.SIGKILL)
 
     threading.Thread(target=kill_rank1, daemon=True).start()

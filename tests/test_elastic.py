@@ -99,10 +99,21 @@ def _when_checkpoint(folder: pathlib.Path, step: int, action, timeout: float = 1
     return thread
 
 
+def _training_ranks(least: int = 2, timeout: float = 10.0) -> list[psutil.Process]:
+    """The worker processes running a chunk of steps now (Ray titles them 'ray::Worker.run'), oldest
+    first: never an idle hot spare, which a process's start order alone could not tell apart (Ray
+    starts worker processes ahead and hands them to actors later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = [p for p in _workers() if (p.info["cmdline"] or [""])[0].startswith("ray::Worker.run")]
+        if len(busy) >= least or time.monotonic() > deadline:
+            return sorted(busy, key=lambda p: p.create_time())
+        time.sleep(0.01)
+
+
 def _signal_one_worker(sig: int) -> None:
-    """Send ``sig`` to the second-oldest worker process of the current run."""
-    victim = sorted(_workers(), key=lambda p: p.create_time())[1]
-    os.kill(victim.pid, sig)
+    """Send ``sig`` to the second-oldest rank running steps in the current run."""
+    os.kill(_training_ranks()[1].pid, sig)
 
 
 def _max_diff(a, b) -> float:

@@ -19,12 +19,18 @@ import yaml
 
 import netns
 
-SKIP = netns.unavailable()
-if SKIP is None and not os.path.exists("/usr/sbin/sshd"):
-    SKIP = "sshd is not installed (Debian: apt-get install openssh-server)"
-if SKIP is None and netns.shutil.which("rsync") is None:
-    SKIP = "rsync is not installed (the cluster launcher copies file_mounts with it)"
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"ray up on namespace hosts: {SKIP}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hosts_possible():
+    """Checked when the module's tests run, not when it is imported (collecting creates nothing)."""
+    why = netns.unavailable()
+    if why is None and not os.path.exists("/usr/sbin/sshd"):
+        why = "sshd is not installed (Debian: apt-get install openssh-server)"
+    if why is None and netns.shutil.which("rsync") is None:
+        why = "rsync is not installed (the cluster launcher copies file_mounts with it)"
+    if why:
+        pytest.skip(f"ray up on namespace hosts: {why}")
 
 CYCLE_TIMEOUT_S = 1200
 
