@@ -23,3 +23,19 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spawn(ray_session):
+    """``spawn(actor_class, n)``: ``n`` ready actors, killed when the module's tests are done."""
+    made = []
+
+    def start(actor_class, n: int) -> list:
+        actors = [actor_class.remote() for _ in range(n)]
+        ray_session.get([a.__ray_ready__.remote() for a in actors])
+        made.extend(actors)
+        return actors
+
+    yield start
+    for actor in made:
+        ray_session.kill(actor)

@@ -155,13 +155,8 @@ def _rank_class(ray):
 
 
 @pytest.fixture(scope="module")
-def ranks(ray_session):
-    Rank = _rank_class(ray_session)
-    peers = [Rank.remote() for _ in range(3)]
-    ray_session.get([p.__ray_ready__.remote() for p in peers])
-    yield peers
-    for p in peers:
-        ray_session.kill(p)
+def ranks(ray_session, spawn):
+    return spawn(_rank_class(ray_session), 3)
 
 
 def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
