@@ -51,7 +51,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
@@ -251,7 +251,7 @@ class Rank(comm.Member):
                 buckets.close()
             else:
                 sync.close()
-            del grads, flats
+            grads = flats = paths = None  # this size's buffers go before the next size's are made
             if gpu:
                 torch.cuda.empty_cache()
         return out
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 entry["status"] = "ok"
             except StageTimeout as exc:
                 entry.update(status="timeout", error=str(exc))
-            except Exception as exc:
+            except Exception:
                 entry.update(status="failed", error=traceback.format_exc(limit=4)[-2000:])
         entry["seconds"] = time.monotonic() - start
         report["stages"][name] = entry

@@ -60,7 +60,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -7,7 +7,6 @@ metrics log, the manifests without history, and every decision taken by the poli
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 

@@ -6,7 +6,6 @@ import importlib.util
 import os
 import pathlib
 import time
-import warnings
 
 import pytest
 import torch

@@ -182,7 +182,7 @@ def test_fp16_matches_across_rank_splits():
     """Two ranks of an fp16 run equal one process on the global batch: scales, skips and parameters."""
     loss_fns = [_Overflow() for _ in range(3)]
     models = [_mlp() for _ in range(3)]
-    sizes, total = [13, 19], 32
+    total = 32
 
     def run(model, loss_fn, rank, grad_sync, lo, hi):
         opt = optim.sgd(0.05, momentum=0.9)
