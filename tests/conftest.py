@@ -1,10 +1,45 @@
-"""Shared fixtures: one private local Ray instance for the whole test session."""
+"""Shared fixtures (a private local Ray instance per module, ready actors) and the test tiers.
+
+Tiers, by module (``pytest -m unit``, ``-m integration``, ``-m system``; the README's command runs all):
+
+- ``unit``: no Ray at all (in-process torch, MPI over ``COMM_SELF``, the driver against fakes,
+  subprocesses); checked: a unit test that leaves Ray running fails.
+- ``integration``: one local Ray instance (``ray_session``) and real MPI ranks.
+- ``system``: clusters of nodes, network-namespace hosts, ``ray up``, the chaos test, driver
+  processes killed, the benchmark smoke runs and the GPU carry's build.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+
+TIERS = {
+    "unit": {"test_accumulate", "test_checkpoint", "test_cluster_yaml", "test_config", "test_controller", "test_layers",
+             "test_lint", "test_mpi", "test_optim", "test_optim_state", "test_pipeline", "test_policy", "test_precision",
+             "test_state", "test_step"},
+    "system": {"test_benchmarks", "test_chaos", "test_driver_loss", "test_elastic", "test_gpu_carry", "test_multihost",
+               "test_ray_up"},
+}  # every other module: integration
+
+
+def tier_of(module: str) -> str:
+    return next((tier for tier, modules in TIERS.items() if module in modules), "integration")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(tier_of(item.module.__name__.rsplit(".", 1)[-1]))
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_ray(request):
+    yield
+    if request.node.get_closest_marker("unit") and "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
+        pytest.fail("a unit test left Ray running: move its module to another tier (tests/conftest.py TIERS)")
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

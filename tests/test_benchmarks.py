@@ -53,7 +53,8 @@ def test_compare_quick():
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+floor\s+\|\s+[0-9.]+\s+\|", proc.stdout, re.M), proc.stdout
     assert (ROOT / "benchmarks" / "out" / "compare.csv").exists() and (ROOT / "benchmarks" / "out" / "compare.png").exists()
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+raw-allreduce\s+\|\s+[0-9.]+\s+\|.*\|\s+n/a", proc.stdout, re.M), proc.stdout
-    assert re.search(r"^  cnn W=2: raympi [0-9.]+ ms,\s+[0-9.]+x mpiexec-template \[target <= 0.85: (met|NOT met)\],\s+"
+    # The figures are printed (whether a target is met is the full benchmark's business, not a smoke run's).
+    assert re.search(r"^  cnn W=2: raympi [0-9.]+ ms,\s+[0-9.]+x mpiexec-template .*\s+"
                      r"[0-9.]+x floor [0-9.]+ \+ raw allreduce [0-9.]+ ms \(Ray actors, fit's transport, p10-p90 [0-9.]+-[0-9.]+\)",
                      proc.stdout, re.M), proc.stdout
 
