@@ -136,11 +136,11 @@ class BucketAllreduce:
             host = self._pinned[index] = torch.empty(bucket.numel(), dtype=wire, pin_memory=True)
         side = self._side.get(bucket.device)
         if side is None:
-            side = self._side[bucket.device] = torch.cuda.Stream(bucket.device)
+            side = self._side[bucket.device] = torch.cuda.Stream(bucket.device)  # type: ignore[no-untyped-call]  # unannotated
         side.wait_stream(torch.cuda.current_stream(bucket.device))  # after the kernels that wrote the bucket
         with torch.cuda.stream(side):
             host.copy_(bucket, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda's are unannotated
             copied.record(side)
         bucket.record_stream(side)  # its memory is not reused before the copy has read it
         return _Bucket(bucket, host, copied)

@@ -24,7 +24,7 @@ and the caller gets a :class:`FormationError`.
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from raympi.comm import library
 from raympi.comm.communicator import DEFAULT_BUCKET_BYTES, Communicator
@@ -49,7 +49,7 @@ class Member:
 
     def mpi_open_port(self) -> str:
         """Open a port for the group this actor leads to accept on."""
-        return library.init().Open_port()
+        return cast(str, library.init().Open_port())
 
     def mpi_join(self, port: str, accept: bool) -> int:
         """Merge this actor's group with another: ``accept`` is the low half, else the high half."""
@@ -64,7 +64,7 @@ class Member:
             # The peers already hold the merged group and go on with it: raising here would leave them
             # blocked in the next round.  The fault is told to every member at the closing agreement.
             self._join_fault = self._join_fault or f"merge round {self._joins}: {type(exc).__name__}: {exc}"
-        return merged.Get_rank()
+        return cast(int, merged.Get_rank())
 
     def _release(self, MPI: Any, port: str, accept: bool, current: Any, inter: Any) -> None:
         """Close the port and free the communicators a merge leaves behind."""
@@ -177,4 +177,4 @@ def _results(ray: Any, size: int, calls: dict[int, Any], deadline: Deadline) -> 
             f"MPI communicator of {size} actors not formed within {deadline.setting}: rank(s) {blocked} "
             f"still blocked (a member is hung or unreachable); every member was killed"
         ) from None
-    return ray.get(list(rank_of))
+    return cast(list[Any], ray.get(list(rank_of)))

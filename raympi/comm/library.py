@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from types import ModuleType
+from typing import cast
 
 from raympi.exceptions import MPIUnavailableError
 
@@ -17,7 +18,7 @@ INSTALL_HINT = "pip install 'mpich>=4.3,<5' 'mpi4py>=4'"
 
 def library_version() -> str:
     """The first line of ``MPI_Get_library_version`` (loads MPI, does not initialize it)."""
-    return _load().Get_library_version().strip().splitlines()[0]
+    return cast(str, _load().Get_library_version().strip().splitlines()[0])
 
 
 def problem() -> str | None:

@@ -27,7 +27,7 @@ import dataclasses
 import datetime
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import distributed as dist
@@ -78,8 +78,10 @@ def connect(comm: Communicator, backend: str, address: str, timeout_s: float = 1
     store, fault = None, None
     if comm.rank == 0:
         try:
-            store = dist.TCPStore(address, 0, comm.size, True, timeout=timeout, wait_for_workers=False)
-            found = (address, store.port, None)
+            # [attr-defined]: torch.distributed imports TCPStore from torch._C without an explicit re-export.
+            store = dist.TCPStore(address, 0, comm.size, True,  # type: ignore[attr-defined]
+                                  timeout=timeout, wait_for_workers=False)
+            found: tuple[str, Optional[int], Optional[str]] = (address, store.port, None)
         except Exception as exc:  # told to every rank before anyone waits on the store
             found = (address, None, f"{type(exc).__name__}: {exc}")
         found = comm.mpi.bcast(found, root=0)
@@ -89,7 +91,9 @@ def connect(comm: Communicator, backend: str, address: str, timeout_s: float = 1
     try:
         if fault is None:
             if store is None:
-                store = dist.TCPStore(host, port, comm.size, False, timeout=timeout)
+                # No fault: rank 0 made the store and sent its port.
+                store = dist.TCPStore(host, cast(int, port), comm.size, False,  # type: ignore[attr-defined]
+                                      timeout=timeout)
             pg = _backend(backend, store, comm.rank, comm.size, address, timeout)
             proof = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
             pg.allreduce([proof]).wait()
@@ -112,7 +116,7 @@ def _backend(backend: str, store: Any, rank: int, size: int, address: str, timeo
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in torch's stubs
     options._timeout = timeout
     # Bind to the address the others reach us at (the default resolves the host name, which may not).
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
@@ -202,10 +206,10 @@ class ProcessGroupSum:
 
     def _settle(self) -> None:
         """NCCL: wait on the host until the current stream is past the sums, unless abort comes first."""
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda.Event is unannotated
         done.record()
         spins = 0
-        while not done.query():
+        while not done.query():  # type: ignore[no-untyped-call]
             if self.comm.abort.is_set():
                 break
             spins += 1

@@ -20,7 +20,8 @@ from raympi.exceptions import ConfigError
 
 __all__ = ["MicroBatch", "check_accumulate", "micro_batches"]
 
-MicroBatch = tuple[tuple, dict, torch.Tensor, int]  # model args, model kwargs, targets, sample count
+# model args, model kwargs, targets, sample count
+MicroBatch = tuple[tuple[Any, ...], dict[str, Any], torch.Tensor, int]
 
 
 def check_accumulate(accumulate: Any) -> int:
@@ -34,7 +35,8 @@ def check_accumulate(accumulate: Any) -> int:
     return accumulate
 
 
-def micro_batches(args: tuple, kwargs: dict, targets: torch.Tensor, n: int, k: int) -> list[MicroBatch]:
+def micro_batches(args: tuple[Any, ...], kwargs: dict[str, Any], targets: torch.Tensor, n: int, k: int
+                  ) -> list[MicroBatch]:
     """Cut a batch into ``min(k, n)`` micro-batches along dim 0, sizes differing by at most one.
 
     ``torch.tensor_split`` cuts the targets and every input tensor whose first

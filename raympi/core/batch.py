@@ -26,7 +26,7 @@ _BATCH_HELP = (
 )
 
 
-def split_batch(batch: Batch) -> tuple[tuple, dict, torch.Tensor, int]:
+def split_batch(batch: Batch) -> tuple[tuple[Any, ...], dict[str, Any], torch.Tensor, int]:
     """Check a batch and take it apart for the model call.
 
     Args:

@@ -17,7 +17,7 @@ The core knows nothing of MPI: :class:`BucketSync` is the protocol that
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -109,9 +109,9 @@ class Buckets:
     def watch(self, leaves: dict[str, torch.Tensor]) -> None:
         """Hook every leaf: its gradient goes into its bucket as soon as autograd has it."""
         for name, leaf in leaves.items():
-            leaf.register_hook(self._hook(name))
+            leaf.register_hook(self._hook(name))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
-    def _hook(self, name: str):
+    def _hook(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             self._put(name, grad)
             self._start_ready()

@@ -91,7 +91,7 @@ def check_precision(precision: Any, loss_scaling: Any) -> None:
         raise ConfigError(f"LossScaling.growth_interval must be a positive int, got {s.growth_interval!r}")
 
 
-def autocast(precision: Precision, device_type: str) -> contextlib.AbstractContextManager:
+def autocast(precision: Precision, device_type: str) -> contextlib.AbstractContextManager[Any]:
     """The context the forward pass and the loss run in.
 
     Args:

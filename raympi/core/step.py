@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, cast
 
 import torch
 from torch import nn
@@ -318,7 +318,8 @@ def _gradients(setup: _Setup, state: TrainState, buffers: dict[str, torch.Tensor
         for i, micro in enumerate(micros):
             factor = micro[3] / global_n * scale
             if setup.overlapped and i == len(micros) - 1:  # the last backward sums its buckets as it goes
-                with Buckets(state.params, setup.grad_sync, grads, bool(setup.scaler)) as buckets:
+                # make_train_step let overlapped through only with a BucketSync.
+                with Buckets(state.params, cast(BucketSync, setup.grad_sync), grads, bool(setup.scaler)) as buckets:
                     g, row, classify = _micro_grad(setup, state.params, buffers, micro, factor, device_type,
                                                    buckets.watch)
                     return (*buckets.finish(g, row if stats is None else stats + row), classify)
@@ -327,9 +328,10 @@ def _gradients(setup: _Setup, state: TrainState, buffers: dict[str, torch.Tensor
                 grads, stats = g, row
             else:
                 torch._foreach_add_(list(grads.values()), list(g.values()))
-                stats = stats + row
+                stats = cast(torch.Tensor, stats) + row  # set with grads, by the first micro-batch
             del g  # free this micro-batch's gradients before the next one's are made
-    return grads, stats, classify
+    # micros is never empty: the loop set both.
+    return cast("dict[str, torch.Tensor]", grads), cast(torch.Tensor, stats), classify
 
 
 def _sync(setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -340,7 +342,7 @@ def _sync(setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor) ->
     """
     if setup.scaler:
         stats = torch.cat([stats, nonfinite_flag(list(grads.values())).to(stats.device)])
-    tree = {"grads": grads, "stats": stats}
+    tree: dict[str, Any] = {"grads": grads, "stats": stats}
     if setup.grad_sync is not None:
         synced = setup.grad_sync(tree)
         tree = tree if synced is None else synced

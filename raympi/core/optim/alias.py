@@ -14,8 +14,8 @@ import torch
 
 from raympi.core import pytree
 from raympi.core.optim.base import (
-    GradientTransformation, ScalarOrSchedule, check_betas, check_nonneg, clone_tree, from_fused, lr_at, new_count,
-    per_param, scaled,
+    GradientTransformation, OptState, Params, ScalarOrSchedule, Tensors, Updates, check_betas, check_nonneg, clone_tree,
+    from_fused, lr_at, new_count, per_param, scaled,
 )
 from raympi.core.optim.states import FromTorchState, ScaleByAdamState, ScaleByScheduleState, TraceState
 from raympi.core.optim.transform import adam_init, adam_moments
@@ -58,13 +58,14 @@ def sgd(
     if nesterov and momentum == 0:
         raise ValueError("nesterov=True needs momentum > 0")
 
-    def init(params):
+    def init(params: Params) -> OptState:
         if momentum:
             # Zeros make the first step buf = g, exactly torch's lazily made buffer.
             return TraceState(new_count(), pytree.map(torch.zeros_like, params))
         return ScaleByScheduleState(new_count())
 
-    def fused_apply(grads, state, params, donate=False):
+    def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
+        g: Tensors  # the gradients' leaves, then (weight decay, momentum) tuples from the foreach ops
         g, spec = pytree.flatten(grads)
         p = pytree.leaves(params)
         value = lr_at(lr, state.count)
@@ -97,7 +98,8 @@ def _adam(
     check_nonneg("weight_decay", weight_decay)
     check_betas(b1, b2)
 
-    def fused_apply(grads, state, params, donate=False):
+    def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
+        g: Tensors  # the gradients' leaves, then (weight decay, momentum) tuples from the foreach ops
         g, spec = pytree.flatten(grads)
         p = pytree.leaves(params)
         value = lr_at(lr, state.count)
@@ -219,12 +221,12 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Gra
         raise TypeError(f"from_torch needs a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
     lr = kwargs.get("lr")
 
-    def init(params):
+    def init(params: Params) -> OptState:
         if not isinstance(params, dict):
             raise TypeError("from_torch needs params as a flat dict name -> tensor")
         return FromTorchState(new_count(), {})
 
-    def fused_apply(grads, state, params, donate=False):
+    def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
         # Always works on copies: donation would save little next to the rest.
         names = list(params)
         copies = [params[n].detach().clone() for n in names]

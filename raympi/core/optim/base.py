@@ -27,6 +27,7 @@ OptState = Any  # a tree of state NamedTuples (raympi.core.optim.states), tuples
 Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
 FusedApply = Callable[[Updates, OptState, Params, bool], tuple[Params, OptState]]
+Tensors = Union[list[torch.Tensor], tuple[torch.Tensor, ...]]  # what torch's _foreach ops take (they return tuples)
 
 
 class GradientTransformation(NamedTuple):
@@ -93,7 +94,7 @@ def check_betas(b1: float, b2: float) -> None:
         raise ValueError(f"betas must lie in [0, 1), got {(b1, b2)}")
 
 
-def per_param(spec: Any, params: Params, what: str) -> dict:
+def per_param(spec: Any, params: Params, what: str) -> dict[Any, Any]:
     """A per-parameter setting evaluated for the flat dict ``params``.
 
     Args:
@@ -109,7 +110,7 @@ def per_param(spec: Any, params: Params, what: str) -> dict:
     """
     if not isinstance(params, dict):
         raise TypeError(f"{what} needs params as a flat dict name -> tensor, got {type(params).__name__}")
-    values = spec(params) if callable(spec) else spec
+    values: dict[Any, Any] = spec(params) if callable(spec) else spec
     missing = [n for n in params if n not in values]
     if missing:
         raise ValueError(f"{what} has no entry for parameter(s) {missing}")
@@ -132,7 +133,7 @@ def from_fused(init: Callable[[Params], OptState], fused: FusedApply) -> Gradien
         The :class:`GradientTransformation` ``(init, update, fused)``.
     """
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         if params is None:
             raise ValueError("this optimizer needs params: call update(grads, state, params)")
         new, state = fused(grads, state, params, False)
@@ -220,17 +221,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     if not transforms:
         raise ValueError("chain needs at least one transformation")
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return tuple(t.init(params) for t in transforms)
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         new_state = []
         for t, s in zip(transforms, state):
             grads, s = t.update(grads, s, params)
             new_state.append(s)
         return grads, tuple(new_state)
 
-    def fused_apply(grads, state, params, donate=False):
+    def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
         new_state = []
         for t, s in zip(transforms[:-1], state):
             grads, s = t.update(grads, s, params)

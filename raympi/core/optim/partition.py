@@ -14,18 +14,18 @@ fast path and ``donate`` still writes in place.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
 from raympi.core import pytree
-from raympi.core.optim.base import GradientTransformation, apply_gradients, per_param
+from raympi.core.optim.base import GradientTransformation, OptState, Params, Updates, apply_gradients, per_param
 from raympi.core.optim.states import EmptyState, MaskedState, MultiTransformState
 
 __all__ = ["masked", "multi_transform", "set_to_zero"]
 
-Mask = Union[Mapping[str, bool], Callable[[dict], Mapping[str, bool]]]
-Labels = Union[Mapping[str, str], Callable[[dict], Mapping[str, str]]]
+Mask = Union[Mapping[str, bool], Callable[[dict[str, Any]], Mapping[str, bool]]]
+Labels = Union[Mapping[str, str], Callable[[dict[str, Any]], Mapping[str, str]]]
 
 
 def _identity() -> GradientTransformation:
@@ -33,7 +33,8 @@ def _identity() -> GradientTransformation:
     return GradientTransformation(lambda params: EmptyState(), lambda grads, state, params=None: (grads, state))
 
 
-def _groups(labels: Any, tree: dict, transforms: Mapping[Any, GradientTransformation], what: str) -> dict:
+def _groups(labels: Any, tree: dict[str, Any], transforms: Mapping[Any, GradientTransformation], what: str
+            ) -> dict[Any, list[str]]:
     """``{label: [names]}`` for every label of ``transforms``, in the order of ``tree``."""
     of = per_param(labels, tree, what)
     groups: dict[Any, list[str]] = {label: [] for label in transforms}
@@ -45,16 +46,19 @@ def _groups(labels: Any, tree: dict, transforms: Mapping[Any, GradientTransforma
     return groups
 
 
-def _pick(tree: dict, names: list[str]) -> dict:
+def _pick(tree: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return {n: tree[n] for n in names}
 
 
-def _init_groups(transforms, labels, params, what) -> dict:
+def _init_groups(transforms: Mapping[Any, GradientTransformation], labels: Any, params: Params, what: str
+                 ) -> dict[Any, OptState]:
     groups = _groups(labels, params, transforms, what)
     return {label: transforms[label].init(_pick(params, names)) for label, names in groups.items()}
 
 
-def _step_groups(transforms, labels, what, grads, states, params, donate=None) -> tuple[dict, dict]:
+def _step_groups(transforms: Mapping[Any, GradientTransformation], labels: Any, what: str, grads: Updates,
+                 states: Mapping[Any, OptState], params: Params, donate: Optional[bool] = None
+                 ) -> tuple[dict[str, Any], dict[Any, OptState]]:
     """Each group's step on its sub-dicts.
 
     Returns updates (``donate=None``) or, through ``apply_gradients``, new parameters; and the new states.
@@ -102,20 +106,20 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     """
     transforms = {True: inner, False: _identity()}
 
-    def to_label(tree):
+    def to_label(tree: Params) -> dict[str, bool]:
         return {n: bool(v) for n, v in per_param(mask, tree, "masked's mask").items()}
 
-    def states(state):
+    def states(state: OptState) -> dict[bool, OptState]:
         return {True: state.inner_state, False: EmptyState()}
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return MaskedState(_init_groups(transforms, to_label, params, "masked")[True])
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         updates, new = _step_groups(transforms, to_label, "masked", grads, states(state), params)
         return updates, MaskedState(new[True])
 
-    def fused_apply(grads, state, params, donate=False):
+    def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
         new_params, new = _step_groups(transforms, to_label, "masked", grads, states(state), params, donate)
         return new_params, MaskedState(new[True])
 
@@ -154,14 +158,14 @@ def multi_transform(transforms: Mapping[str, GradientTransformation], labels: La
         raise TypeError(f"multi_transform's labels must be strings, got {bad}")
     transforms = dict(transforms)
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return MultiTransformState(_init_groups(transforms, labels, params, "multi_transform"))
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         updates, new = _step_groups(transforms, labels, "multi_transform", grads, state.inner_states, params)
         return updates, MultiTransformState(new)
 
-    def fused_apply(grads, state, params, donate=False):
+    def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
         inner = state.inner_states
         new_params, new = _step_groups(transforms, labels, "multi_transform", grads, inner, params, donate)
         return new_params, MultiTransformState(new)
@@ -183,10 +187,10 @@ def set_to_zero() -> GradientTransformation:
         ...                             lambda p: {n: "frozen" if n.startswith("0.") else "train" for n in p})
     """
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return EmptyState()
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         return pytree.map(torch.zeros_like, grads), state
 
     return GradientTransformation(init, update)

@@ -31,6 +31,10 @@ __all__ = [
 ]
 
 
+# A field ``count`` (optax's name, and the key old checkpoints hold) shadows ``tuple.count``; mypy flags
+# each such field (``[assignment]``), hence its ignore.  Behaviour is unaffected: a state's ``count`` is its field.
+
+
 class EmptyState(NamedTuple):
     """The state of a stateless transformation (``clip_by_global_norm``, ``add_decayed_weights``, ``set_to_zero``)."""
 
@@ -38,20 +42,20 @@ class EmptyState(NamedTuple):
 class ScaleByScheduleState(NamedTuple):
     """``scale_by_learning_rate``'s state, and ``sgd``'s without momentum."""
 
-    count: torch.Tensor  # steps taken: step k (from 0) uses lr(k); a 0-d int64 CPU tensor
+    count: torch.Tensor  # type: ignore[assignment]  # steps taken: step k (from 0) uses lr(k); a 0-d int64 CPU tensor
 
 
 class TraceState(NamedTuple):
     """``sgd``'s state with momentum."""
 
-    count: torch.Tensor  # steps taken
+    count: torch.Tensor  # type: ignore[assignment]  # steps taken
     trace: Any  # the momentum buffers, shaped like the parameters
 
 
 class ScaleByAdamState(NamedTuple):
     """The state of ``adam``, ``adamw`` and ``scale_by_adam``."""
 
-    count: torch.Tensor  # steps taken
+    count: torch.Tensor  # type: ignore[assignment]  # steps taken
     mu: Any  # first moments, shaped like the parameters
     nu: Any  # second moments
 
@@ -59,14 +63,14 @@ class ScaleByAdamState(NamedTuple):
 class EmaState(NamedTuple):
     """``ema``'s state; read the average with ``ema_params``."""
 
-    count: torch.Tensor  # steps taken
+    count: torch.Tensor  # type: ignore[assignment]  # steps taken
     ema: Any  # the moving average of the parameters
 
 
 class FromTorchState(NamedTuple):
     """``from_torch``'s state."""
 
-    count: torch.Tensor  # steps taken
+    count: torch.Tensor  # type: ignore[assignment]  # steps taken
     state: dict[str, dict[str, Any]]  # the torch optimizer's per-parameter state, by parameter name
 
 
@@ -85,7 +89,7 @@ class MultiTransformState(NamedTuple):
 class InjectHyperparamsState(NamedTuple):
     """``inject_hyperparams``'s state; read the values with ``current_hyperparams``."""
 
-    count: torch.Tensor  # steps taken: schedules are evaluated at it
+    count: torch.Tensor  # type: ignore[assignment]  # steps taken: schedules are evaluated at it
     hyperparams: dict[str, torch.Tensor]  # name -> the value the last step used, 0-d CPU tensors
     inner_state: Any  # the wrapped optimizer's
 
@@ -99,7 +103,7 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any  # the guarded optimizer's
 
 
-STATE_TYPES: tuple[type, ...] = (
+STATE_TYPES: tuple[type[Any], ...] = (
     EmptyState, ScaleByScheduleState, TraceState, ScaleByAdamState, EmaState, FromTorchState,
     MaskedState, MultiTransformState, InjectHyperparamsState, ApplyIfFiniteState,
 )

@@ -23,7 +23,8 @@ import torch
 
 from raympi.core import pytree
 from raympi.core.optim.base import (
-    GradientTransformation, Params, ScalarOrSchedule, check_betas, check_nonneg, lr_at, new_count, scaled,
+    GradientTransformation, OptState, Params, ScalarOrSchedule, Tensors, Updates, check_betas, check_nonneg, lr_at,
+    new_count, scaled,
 )
 from raympi.core.optim.states import EmaState, EmptyState, ScaleByAdamState, ScaleByScheduleState, find_states
 
@@ -46,9 +47,9 @@ def adam_init(params: Params) -> ScaleByAdamState:
 
 
 def adam_moments(
-    g: list[torch.Tensor], mu: list[torch.Tensor], nu: list[torch.Tensor],
+    g: Tensors, mu: list[torch.Tensor], nu: list[torch.Tensor],
     b1: float, b2: float, eps: float, t: int, donate: bool,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], float]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, ...], float]:
     """Adam's step ``t`` (from 1) as ``torch.optim.Adam`` computes it.
 
     ``denom = sqrt(nu) / sqrt(1 - b2**t) + eps``; the step is then
@@ -98,10 +99,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return EmptyState()
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         g, spec = pytree.flatten(grads)
         if not g:
             return grads, state
@@ -136,7 +137,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     """
     check_betas(b1, b2)
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         g, spec = pytree.flatten(grads)
         count = state.count + 1
         mu, nu, denom, bc1 = adam_moments(
@@ -174,10 +175,10 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """
     check_nonneg("weight_decay", weight_decay)
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return EmptyState()
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
         if not weight_decay:
@@ -206,10 +207,10 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     """
     check_nonneg("lr", lr)
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return ScaleByScheduleState(new_count())
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         u, spec = pytree.flatten(grads)
         value = lr_at(lr, state.count)
         return pytree.unflatten(list(torch._foreach_mul(u, -value)), spec), ScaleByScheduleState(state.count + 1)
@@ -248,7 +249,7 @@ def ema(decay: float, debias: bool = False) -> GradientTransformation:
     if not 0 <= decay < 1:
         raise ValueError(f"decay must lie in [0, 1), got {decay}")
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return EmaState(new_count(), pytree.map(lambda p: p.detach().clone(), params))
 
     def track(new: list[torch.Tensor], state: EmaState, donate: bool) -> EmaState:
@@ -261,13 +262,13 @@ def ema(decay: float, debias: bool = False) -> GradientTransformation:
             e = list(torch._foreach_lerp(e, new, weight))
         return EmaState(count, pytree.unflatten(e, spec))
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         if params is None:
             raise ValueError("ema needs params: call update(grads, state, params)")
         new = torch._foreach_add(pytree.leaves(params), pytree.leaves(grads))
         return grads, track(list(new), state, False)
 
-    def fused_apply(grads, state, params, donate=False):
+    def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
         p, spec = pytree.flatten(params)
         if donate:
             torch._foreach_add_(p, pytree.leaves(grads))

@@ -21,7 +21,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from raympi.core import pytree
-from raympi.core.optim.base import GradientTransformation, apply_gradients, clone_tree, new_count
+from raympi.core.optim.base import (
+    GradientTransformation, OptState, Params, Updates, apply_gradients, clone_tree, new_count,
+)
 from raympi.core.optim.states import ApplyIfFiniteState, InjectHyperparamsState, find_states
 
 __all__ = ["inject_hyperparams", "current_hyperparams", "apply_if_finite"]
@@ -29,7 +31,7 @@ __all__ = ["inject_hyperparams", "current_hyperparams", "apply_if_finite"]
 _ALWAYS_STATIC = frozenset({"mask"})  # adamw's: a callable, not a schedule
 
 
-def _keywords(factory: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+def _keywords(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a call to ``factory`` as keywords (``**kwargs`` spread out)."""
     sig = inspect.signature(factory)
     out: dict[str, Any] = {}
@@ -92,7 +94,7 @@ def inject_hyperparams(
         hyper = {n: v for n, v in given.items() if n not in static_args and _injectable(v)}
         static = {n: v for n, v in given.items() if n not in hyper}
 
-        def values(state) -> dict[str, Any]:
+        def values(state: OptState) -> dict[str, Any]:
             count = int(state.count)
             return {n: (float(v(count)) if callable(v) else state.hyperparams[n].item()) for n, v in hyper.items()}
 
@@ -101,19 +103,20 @@ def inject_hyperparams(
             return {n: torch.tensor(v, dtype=torch.int64 if isinstance(v, int) else torch.float64)
                     for n, v in vals.items()}
 
-        def init(params):
+        def init(params: Params) -> OptState:
             vals = {n: (float(v(0)) if callable(v) else v) for n, v in hyper.items()}
             return InjectHyperparamsState(new_count(), as_tensors(vals), factory(**static, **vals).init(params))
 
-        def new_state(state, vals, inner_state):
+        def new_state(state: OptState, vals: dict[str, Any], inner_state: OptState) -> InjectHyperparamsState:
             return InjectHyperparamsState(state.count + 1, as_tensors(vals), inner_state)
 
-        def update(grads, state, params=None):
+        def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
             vals = values(state)
             updates, inner_state = factory(**static, **vals).update(grads, state.inner_state, params)
             return updates, new_state(state, vals, inner_state)
 
-        def fused_apply(grads, state, params, donate=False):
+        def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False
+                        ) -> tuple[Params, OptState]:
             vals = values(state)
             inner = factory(**static, **vals)
             new_params, inner_state = apply_gradients(inner, grads, state.inner_state, params, donate=donate)
@@ -188,10 +191,10 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
     if max_consecutive_errors < 0:
         raise ValueError(f"max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
 
-    def init(params):
+    def init(params: Params) -> OptState:
         return ApplyIfFiniteState(new_count(), torch.tensor(True), new_count(), inner.init(params))
 
-    def check(grads, state) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def check(grads: Updates, state: OptState) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Whether to apply this step, and the new ``(notfinite_count, last_finite, total_notfinite)``."""
         finite = _all_finite(grads)
         streak = 0 if finite else int(state.notfinite_count) + 1
@@ -199,7 +202,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
                     state.total_notfinite + (0 if finite else 1))
         return finite or streak > max_consecutive_errors, counters
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         apply, counters = check(grads, state)
         if apply:
             updates, inner_state = inner.update(grads, state.inner_state, params)
@@ -207,7 +210,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
             updates, inner_state = pytree.map(torch.zeros_like, grads), clone_tree(state.inner_state)
         return updates, ApplyIfFiniteState(*counters, inner_state)
 
-    def fused_apply(grads, state, params, donate=False):
+    def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
         apply, counters = check(grads, state)
         if apply:
             new_params, inner_state = apply_gradients(inner, grads, state.inner_state, params, donate=donate)
