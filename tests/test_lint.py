@@ -1,4 +1,5 @@
-"""The code passes ``ruff check`` with the project's rules (pyproject.toml), as CI runs it through this test."""
+"""The code passes ``ruff check`` with the project's rules, and ``mypy`` (strict on ``raympi.core`` and ``raympi.comm``),
+both configured in pyproject.toml, as CI runs them through these tests."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,4 +18,13 @@ def test_ruff_check_is_clean():
     assert ruff, "ruff is not installed: pip install -e '.[test]' installs it"
     done = subprocess.run([ruff, "check", "--output-format", "concise", "raympi", "tests", "benchmarks", "examples"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow  # a cold mypy (no .mypy_cache) reads torch's stubs: up to a minute of CPU
+def test_mypy_strict_on_core_and_comm():
+    mypy = shutil.which("mypy", path=str(Path(sys.executable).parent)) or shutil.which("mypy")
+    assert mypy, "mypy is not installed: pip install -e '.[test]' installs it"
+    # No arguments: pyproject.toml's [tool.mypy] names the files (raympi/core, raympi/comm) and the strict settings.
+    done = subprocess.run([mypy], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr
