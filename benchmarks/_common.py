@@ -43,6 +43,7 @@ OMP1 = {"OMP_NUM_THREADS": "1"}
 
 # ---------------------------------------------------------------- Ray
 
+
 def pickle_by_value() -> None:
     """Have Ray (cloudpickle) ship this module's functions and classes by value: its workers cannot import it."""
     import ray.cloudpickle
@@ -50,8 +51,14 @@ def pickle_by_value() -> None:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def start_local_ray(num_cpus: int, *, env: Optional[dict[str, str]] = None, log_to_driver: bool = True,
-                    dashboard: Optional[bool] = False, **kwargs: Any) -> None:
+def start_local_ray(
+    num_cpus: int,
+    *,
+    env: Optional[dict[str, str]] = None,
+    log_to_driver: bool = True,
+    dashboard: Optional[bool] = False,
+    **kwargs: Any,
+) -> None:
     """``ray.init(address="local", num_cpus=...)``: a fresh Ray instance of this process, quiet (``logging_level="ERROR"``).
 
     ``env``: every worker's environment variables (``runtime_env``); ``dashboard=None``: Ray's default (started when
@@ -62,8 +69,14 @@ def start_local_ray(num_cpus: int, *, env: Optional[dict[str, str]] = None, log_
     pickle_by_value()
     if env is not None:
         kwargs["runtime_env"] = {"env_vars": dict(env)}
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, logging_level="ERROR",
-             log_to_driver=log_to_driver, **kwargs)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=dashboard,
+        logging_level="ERROR",
+        log_to_driver=log_to_driver,
+        **kwargs,
+    )
 
 
 @contextlib.contextmanager
@@ -103,13 +116,15 @@ def slowest_median(per_rank: Iterable[Sequence[float]]) -> float:
 
 # ---------------------------------------------------------------- child processes
 
+
 def run_child(cmd: list[str], timeout_s: float) -> tuple[int, str]:
     """Run ``cmd`` from the repository root in a process group of its own (OMP_NUM_THREADS=1, unbuffered output,
     stderr into stdout); returns (exit status, output).  Past ``timeout_s`` the whole group (torchrun or mpiexec
     and its ranks) is killed and RuntimeError raised with the end of the output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -135,8 +150,13 @@ def write_spec(folder: Path, tag: str, **fields: Any) -> dict[str, Any]:
     """One contender run's spec, written to ``<folder>/<tag>.json`` for its children to read (:func:`read_spec`):
     ``fields`` and ``dir`` (``folder``), ``path`` (the spec's own file), ``result`` (where rank 0 writes its result)
     and ``params`` (where it saves its final parameters)."""
-    spec = {**fields, "dir": str(folder), "path": str(folder / f"{tag}.json"), "result": str(folder / f"{tag}.result.json"),
-            "params": str(folder / f"{tag}.params.pt")}
+    spec = {
+        **fields,
+        "dir": str(folder),
+        "path": str(folder / f"{tag}.json"),
+        "result": str(folder / f"{tag}.result.json"),
+        "params": str(folder / f"{tag}.params.pt"),
+    }
     Path(spec["path"]).write_text(json.dumps(spec))
     return spec
 
@@ -154,11 +174,22 @@ def add_child_options(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------- torchrun + DDP and Ray Train, the peers
 
+
 def run_torchrun(script: str, spec: dict[str, Any], workers: int, timeout_s: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
     """``torchrun --standalone --nproc_per_node workers <script> --child ddp --spec <spec["path"]>``: the script's
     ranks join with :func:`torchrun_gloo`; returns :func:`run_spec_child`'s result."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
-           str(Path(script).resolve()), "--child", "ddp", "--spec", spec["path"]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={workers}",
+        str(Path(script).resolve()),
+        "--child",
+        "ddp",
+        "--spec",
+        spec["path"],
+    ]
     return run_spec_child(cmd, spec, timeout_s)
 
 
@@ -190,7 +221,9 @@ def raytrain_ddp(model: Any) -> tuple[Any, int, int, Callable[[], Any]]:
     return ray.train.torch.prepare_model(model), ctx.get_world_rank(), ctx.get_world_size(), dist.barrier
 
 
-def run_raytrain(loop: Callable[[dict[str, Any]], None], spec: dict[str, Any], workers: int, name: str) -> dict[str, Any]:
+def run_raytrain(
+    loop: Callable[[dict[str, Any]], None], spec: dict[str, Any], workers: int, name: str
+) -> dict[str, Any]:
     """Ray Train's TorchTrainer running ``loop(spec)`` on ``workers`` workers (CPU) on a :func:`fresh_ray`; its rank 0
     writes ``spec["result"]`` as a child of :func:`run_spec_child` does.  Returns that result with ``launch_s``
     (``trainer.fit()`` to the end of rank 0's first step)."""
@@ -199,7 +232,8 @@ def run_raytrain(loop: Callable[[dict[str, Any]], None], spec: dict[str, Any], w
 
     with fresh_ray(workers):
         trainer = TorchTrainer(
-            loop, train_loop_config=spec,
+            loop,
+            train_loop_config=spec,
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
             run_config=RunConfig(name=name, storage_path=spec["dir"] + "/raytrain-storage"),
         )
@@ -210,6 +244,7 @@ def run_raytrain(loop: Callable[[dict[str, Any]], None], spec: dict[str, Any], w
 
 
 # ---------------------------------------------------------------- data and models
+
 
 def mnist_example() -> Any:
     """examples/mnist.py imported for real (importlib; it imports raympi) once per process, as module
@@ -252,9 +287,13 @@ def example_defs() -> dict[str, Any]:
     """The top-level definitions of examples/mnist.py (``Net``, ``augmented``, ``load``...) without ``import raympi``
     (nor its ``main`` and ``if __name__`` block): for torchrun ranks and Ray Train's workers."""
     tree = ast.parse(MNIST_EXAMPLE.read_text())
-    body = [n for n in tree.body
-            if not (isinstance(n, ast.Import) and any(a.name == "raympi" for a in n.names))
-            and not (isinstance(n, ast.FunctionDef) and n.name == "main") and not isinstance(n, ast.If)]
+    body = [
+        n
+        for n in tree.body
+        if not (isinstance(n, ast.Import) and any(a.name == "raympi" for a in n.names))
+        and not (isinstance(n, ast.FunctionDef) and n.name == "main")
+        and not isinstance(n, ast.If)
+    ]
     namespace: dict[str, Any] = {"__name__": "raympi_bench_mnist_defs"}
     exec(compile(ast.Module(body=body, type_ignores=[]), str(MNIST_EXAMPLE), "exec"), namespace)
     return namespace
@@ -264,7 +303,9 @@ def mlp() -> Any:
     """The MLP 784-2048-2048-10 (5.8M parameters, 23.3 MB of float32 gradients)."""
     from torch import nn
 
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)
+    )
 
 
 def synthetic_mnist(n: int, seed: int = SEED) -> tuple[Any, Any]:
@@ -276,6 +317,7 @@ def synthetic_mnist(n: int, seed: int = SEED) -> tuple[Any, Any]:
 
 
 # ---------------------------------------------------------------- runs, medians, tables and files
+
 
 def rotated(items: Sequence[Any], run: int) -> list[Any]:
     """``items`` starting at ``run``'s turn: who goes first rotates run by run, so drifts in machine speed spread out."""
@@ -304,7 +346,11 @@ def attempt(row: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> bool:
 def spread(seconds: list[float], prefix: str = "") -> dict[str, float]:
     """Median and 10th/90th percentiles of ``seconds``, in ms."""
     q = statistics.quantiles(seconds, n=10)
-    return {f"{prefix}ms": 1000 * statistics.median(seconds), f"{prefix}p10_ms": 1000 * q[0], f"{prefix}p90_ms": 1000 * q[-1]}
+    return {
+        f"{prefix}ms": 1000 * statistics.median(seconds),
+        f"{prefix}p10_ms": 1000 * q[0],
+        f"{prefix}p90_ms": 1000 * q[-1],
+    }
 
 
 def median_or_none(values: list[float]) -> Optional[float]:
@@ -313,8 +359,12 @@ def median_or_none(values: list[float]) -> Optional[float]:
 
 def min_median_max(values: list[float]) -> dict[str, Any]:
     """``{"n", "min", "median", "max"}`` of ``values``, None for each but ``n`` where there are none."""
-    return {"n": len(values), "min": min(values) if values else None, "median": median_or_none(values),
-            "max": max(values) if values else None}
+    return {
+        "n": len(values),
+        "min": min(values) if values else None,
+        "median": median_or_none(values),
+        "max": max(values) if values else None,
+    }
 
 
 def median_range(values: list[float], f: str) -> str:

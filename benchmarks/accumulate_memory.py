@@ -46,8 +46,9 @@ def measure(batch: int, k: int) -> dict:
     # Every large block straight from mmap and back on free: the peak RSS is then the peak of live memory
     # (glibc's default keeps freed blocks, and its dynamic threshold differs between the settings).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**16), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(batch), str(k), root], capture_output=True, text=True,
-                          check=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(batch), str(k), root], capture_output=True, text=True, check=True, env=env
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -63,8 +64,10 @@ def main() -> None:
     print("| accumulate | peak RSS growth during the step (MB) | vs accumulate=1 | step (s) | loss after 3 steps |")
     print("|---|---|---|---|---|")
     for k, r in rows.items():
-        print(f"| {k} | {r['peak_growth_mb']:.0f} | {r['peak_growth_mb'] / max(1e-9, rows[1]['peak_growth_mb']):.2f}x "
-              f"| {r['step_s']:.3f} | {r['loss']:.5f} |")
+        print(
+            f"| {k} | {r['peak_growth_mb']:.0f} | {r['peak_growth_mb'] / max(1e-9, rows[1]['peak_growth_mb']):.2f}x "
+            f"| {r['step_s']:.3f} | {r['loss']:.5f} |"
+        )
 
 
 if __name__ == "__main__":

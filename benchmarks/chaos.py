@@ -162,8 +162,9 @@ class Chaos:
         ray.nodes()
 
 
-def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 15.0, seed: int = 0,
-        out: Path | None = None) -> dict:
+def run(
+    workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 15.0, seed: int = 0, out: Path | None = None
+) -> dict:
     """Fault-free run, then the same run under chaos; returns the figures."""
     import ray
     from ray.cluster_utils import Cluster
@@ -174,8 +175,17 @@ def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="ERROR")
-    options = dict(workers=workers, max_steps=steps, epochs=10_000, batch_size=64, checkpoint_every=25, progress=False,
-                   seed=seed, optimizer=raympi.optim.sgd(0.05, momentum=0.9), max_restarts=faults + 5)  # else fit's defaults
+    options = dict(
+        workers=workers,
+        max_steps=steps,
+        epochs=10_000,
+        batch_size=64,
+        checkpoint_every=25,
+        progress=False,
+        seed=seed,
+        optimizer=raympi.optim.sgd(0.05, momentum=0.9),
+        max_restarts=faults + 5,
+    )  # else fit's defaults
     others = {p.pid for p in worker_processes()}  # another Ray instance's on this machine: not ours to count
     try:
         start = time.monotonic()
@@ -199,7 +209,9 @@ def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 
         left_detail = []
         for p in left:
             try:
-                left_detail.append(f"pid {p.pid} {p.status()} {' '.join(p.cmdline())[:60]} age {time.time() - p.create_time():.0f} s")
+                left_detail.append(
+                    f"pid {p.pid} {p.status()} {' '.join(p.cmdline())[:60]} age {time.time() - p.create_time():.0f} s"
+                )
             except psutil.Error:
                 pass
         for p in left:  # a SIGSTOPped process that escaped would hold the run's resources
@@ -210,8 +222,10 @@ def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 
     diff = max((clean.state.params[k] - result.state.params[k]).abs().max().item() for k in clean.state.params)
     counted = [r for r in result.restarts if r["kind"] in ("worker_lost", "hung", "collective", "formation")]
     return {
-        "faults injected": len(chaos.injected), "by kind": ", ".join(f for _, f in chaos.injected),
-        "restart records": len(result.restarts), "failures recovered": len(counted),
+        "faults injected": len(chaos.injected),
+        "by kind": ", ".join(f for _, f in chaos.injected),
+        "restart records": len(result.restarts),
+        "failures recovered": len(counted),
         "warm / cold": f"{sum(r['path'] == 'warm' for r in result.restarts)} / {sum(r['path'] == 'cold' for r in result.restarts)}",
         "spares used": sum(bool(r.get("spare")) for r in result.restarts),
         "steps lost (beyond the step in flight)": sum(max(0, r.get("steps_lost", 0)) for r in result.restarts),
@@ -219,11 +233,21 @@ def run(workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 
         "throughput vs fault-free": f"{clean_s / chaos_s:.2f} ({steps / chaos_s:.1f} vs {steps / clean_s:.1f} steps/s)",
         "max |param - fault-free param|": f"{diff:.2e}",
         "median recovery_s": f"{sorted(r.get('recovery_s', float('nan')) for r in result.restarts)[len(result.restarts) // 2] if result.restarts else float('nan'):.2f}",
-        "worker processes left": len(left), "left": left_detail, "injected at": [round(t - start_wall, 1) for t, _ in chaos.injected],
-        "_diff": diff, "_left": len(left), "_ratio": clean_s / chaos_s, "_contiguous": [r["step"] for r in result.metrics] == list(range(1, steps + 1)),
+        "worker processes left": len(left),
+        "left": left_detail,
+        "injected at": [round(t - start_wall, 1) for t, _ in chaos.injected],
+        "_diff": diff,
+        "_left": len(left),
+        "_ratio": clean_s / chaos_s,
+        "_contiguous": [r["step"] for r in result.metrics] == list(range(1, steps + 1)),
         "_injected": len(chaos.injected),
-        "_records": [{k: r.get(k) for k in ("kind", "path", "step", "restored_step", "steps_lost", "warm_skipped", "spare", "world_after")}
-                     for r in result.restarts],
+        "_records": [
+            {
+                k: r.get(k)
+                for k in ("kind", "path", "step", "restored_step", "steps_lost", "warm_skipped", "spare", "world_after")
+            }
+            for r in result.restarts
+        ],
     }
 
 

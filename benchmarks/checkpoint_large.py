@@ -47,8 +47,11 @@ from torch import nn  # noqa: E402
 
 from _common import OMP1, OUT, local_ray, write_csv  # noqa: E402
 
-WAYS = {"direct": {"direct_checkpoint_bytes": 1}, "driver": {"direct_checkpoint_bytes": None},
-        "none": {"direct_checkpoint_bytes": None, "checkpoint_every": 0}}
+WAYS = {
+    "direct": {"direct_checkpoint_bytes": 1},
+    "driver": {"direct_checkpoint_bytes": None},
+    "none": {"direct_checkpoint_bytes": None, "checkpoint_every": 0},
+}
 
 
 def _model(mb: float, layers: int) -> nn.Module:
@@ -65,15 +68,28 @@ def _one(way: str, args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     data = (torch.randn(args.batch * 4, d, generator=g), torch.randint(0, d, (args.batch * 4,), generator=g))
     folder = tempfile.mkdtemp(prefix="raympi-ckpt-", dir=args.dir)
-    options = dict(epochs=args.steps, max_steps=args.steps, batch_size=args.batch, optimizer=raympi.optim.sgd(1e-3),
-                   checkpoint_every=args.every, keep_checkpoints=args.steps // args.every + 1, progress=False, checkpoint_dir=folder,
-                   step_timeout_s=120.0, startup_timeout_s=300.0, spares=0)
+    options = dict(
+        epochs=args.steps,
+        max_steps=args.steps,
+        batch_size=args.batch,
+        optimizer=raympi.optim.sgd(1e-3),
+        checkpoint_every=args.every,
+        keep_checkpoints=args.steps // args.every + 1,
+        progress=False,
+        checkpoint_dir=folder,
+        step_timeout_s=120.0,
+        startup_timeout_s=300.0,
+        spares=0,
+    )
     options.update(WAYS[way])
     try:
         result = raympi.fit(model, data, workers=args.workers, **options)
         times = [r["time"] for r in result.metrics]
-        manifests = [json.loads((Path(folder) / n / "manifest.json").read_text())
-                     for n in sorted(os.listdir(folder)) if n.startswith("step-")]
+        manifests = [
+            json.loads((Path(folder) / n / "manifest.json").read_text())
+            for n in sorted(os.listdir(folder))
+            if n.startswith("step-")
+        ]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     # Steps of one chunk share its completion time: a chunk is (its first step, its steps, its seconds).
@@ -83,13 +99,18 @@ def _one(way: str, args: argparse.Namespace) -> dict[str, Any]:
     after = [c for c in chunks if c[0] - 1 in marks]  # the chunk that waited for the checkpoint request
     usual = statistics.median(sec / n for first, n, sec in chunks if (first, n, sec) not in after)
     mid = [m for m in manifests if m["step"] < args.steps and "copy_s" in m]
-    return {"way": way, "state_mb": sum(p.numel() for p in model.parameters()) * 4 / 2**20,
-            "span_s": times[-1] - times[1], "checkpoints": len(marks), "step_s": usual,
-            "blocked_s": statistics.mean(sec - n * usual for _, n, sec in after) if after else 0.0,
-            "blocked_each": " ".join(f"{sec - n * usual:.2f}" for _, n, sec in after),
-            "copy_each": " ".join(f"{m['copy_s']:.2f}" for m in mid),
-            "copy_s": statistics.mean(m["copy_s"] for m in mid) if mid else None,
-            "write_s": statistics.mean(m["write_s"] for m in mid) if mid else None}
+    return {
+        "way": way,
+        "state_mb": sum(p.numel() for p in model.parameters()) * 4 / 2**20,
+        "span_s": times[-1] - times[1],
+        "checkpoints": len(marks),
+        "step_s": usual,
+        "blocked_s": statistics.mean(sec - n * usual for _, n, sec in after) if after else 0.0,
+        "blocked_each": " ".join(f"{sec - n * usual:.2f}" for _, n, sec in after),
+        "copy_each": " ".join(f"{m['copy_s']:.2f}" for m in mid),
+        "copy_s": statistics.mean(m["copy_s"] for m in mid) if mid else None,
+        "write_s": statistics.mean(m["write_s"] for m in mid) if mid else None,
+    }
 
 
 def main() -> None:
@@ -121,17 +142,30 @@ def main() -> None:
 
     def cell(way: str, key: str) -> str:
         values = [r[key] for r in rows if r["way"] == way and r[key] is not None]
-        return "-" if not values else f"{statistics.median(values):.3f}" + (f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else "")
+        return (
+            "-"
+            if not values
+            else f"{statistics.median(values):.3f}"
+            + (f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else "")
+        )
 
     for r in rows:
         if r["way"] != "none":
-            print(f"{r['way']} run {r['run']}: blocked s per checkpoint {r['blocked_each']}; rank 0's copy s {r['copy_each'] or '-'}")
-    lines = [f"state {rows[0]['state_mb']:.0f} MiB, {args.workers} worker(s), {args.steps} steps, a checkpoint every "
-             f"{args.every}, {args.runs} run(s) each; median (min-max) seconds",
-             "", "| path | step s | blocked s / checkpoint | overhead s / checkpoint | copy s | write s |", "|---|---|---|---|---|---|"]
+            print(
+                f"{r['way']} run {r['run']}: blocked s per checkpoint {r['blocked_each']}; rank 0's copy s {r['copy_each'] or '-'}"
+            )
+    lines = [
+        f"state {rows[0]['state_mb']:.0f} MiB, {args.workers} worker(s), {args.steps} steps, a checkpoint every "
+        f"{args.every}, {args.runs} run(s) each; median (min-max) seconds",
+        "",
+        "| path | step s | blocked s / checkpoint | overhead s / checkpoint | copy s | write s |",
+        "|---|---|---|---|---|---|",
+    ]
     for way in WAYS:
-        lines.append(f"| {way} | {cell(way, 'step_s')} | {cell(way, 'blocked_s') if way != 'none' else '-'} | "
-                     f"{cell(way, 'overhead_s') if way != 'none' else '-'} | {cell(way, 'copy_s')} | {cell(way, 'write_s')} |")
+        lines.append(
+            f"| {way} | {cell(way, 'step_s')} | {cell(way, 'blocked_s') if way != 'none' else '-'} | "
+            f"{cell(way, 'overhead_s') if way != 'none' else '-'} | {cell(way, 'copy_s')} | {cell(way, 'write_s')} |"
+        )
     table = "\n".join(lines)
     (OUT / f"checkpoint_large{suffix}.txt").write_text(table + "\n")
     print(table)

@@ -105,11 +105,22 @@ def main() -> None:
             for which in ("mpi", "gloo"):
                 per_rank = ray.get([a.time_allreduce.remote(nbytes, args.reps, which) for a in actors])
                 result[which] = slowest_median(per_rank)
-            rows.append((n, f"allreduce {mb} MB", result["mpi"], result["gloo"], nbytes / result["mpi"], nbytes / result["gloo"]))
+            rows.append(
+                (
+                    n,
+                    f"allreduce {mb} MB",
+                    result["mpi"],
+                    result["gloo"],
+                    nbytes / result["mpi"],
+                    nbytes / result["gloo"],
+                )
+            )
         ray.get([a.gloo_shutdown.remote() for a in actors])
         for a in actors:
             ray.kill(a)
-    print(f"\n{'N':>3} {'what':<18} {'raympi (MPI)':>14} {'gloo':>12} {'MPI algbw':>12} {'gloo algbw':>12} {'gloo/MPI':>9}")
+    print(
+        f"\n{'N':>3} {'what':<18} {'raympi (MPI)':>14} {'gloo':>12} {'MPI algbw':>12} {'gloo algbw':>12} {'gloo/MPI':>9}"
+    )
     for n, what, mpi_s, gloo_s, mpi_bw, gloo_bw in rows:
         bw = f"{mpi_bw / 1e9:10.2f}GB/s {gloo_bw / 1e9:10.2f}GB/s" if mpi_bw else f"{'':>12} {'':>12}"
         print(f"{n:>3} {what:<18} {mpi_s * 1e3:12.1f}ms {gloo_s * 1e3:10.1f}ms {bw} {gloo_s / mpi_s:8.2f}x")

@@ -69,9 +69,32 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks share)
-    BIN, CHILD_TIMEOUT_S, LR, OUT, PER_WORKER, SEED, add_child_options, attempt, ddp, example_net_class, fmt, fresh_ray,
-    median_or_none, min_median_max, mlp, mnist_example, raytrain_ddp, read_spec, rotated, run_spec_child, spread,
-    synthetic_mnist, time_reps, torchrun_gloo, write_csv, write_spec,
+    BIN,
+    CHILD_TIMEOUT_S,
+    LR,
+    OUT,
+    PER_WORKER,
+    SEED,
+    add_child_options,
+    attempt,
+    ddp,
+    example_net_class,
+    fmt,
+    fresh_ray,
+    median_or_none,
+    min_median_max,
+    mlp,
+    mnist_example,
+    raytrain_ddp,
+    read_spec,
+    rotated,
+    run_spec_child,
+    spread,
+    synthetic_mnist,
+    time_reps,
+    torchrun_gloo,
+    write_csv,
+    write_spec,
 )
 from _common import run_raytrain as _run_raytrain  # noqa: E402
 from _common import run_torchrun as _run_torchrun  # noqa: E402
@@ -85,6 +108,7 @@ COMPARED = ("raympi", "torchrun-ddp", "mpiexec-template", "raytrain")  # order o
 
 
 # ---------------------------------------------------------------- the workload (driver and children)
+
 
 def build_model(name: str) -> nn.Module:
     """A fresh model: 'cnn' is examples/mnist.py's Net (its class source, run here without importing raympi; the driver
@@ -108,8 +132,15 @@ def local_indices(step: int, n: int, world: int, rank: int, seed: int = SEED) ->
     return torch.tensor_split(epoch_order(seed, epoch, n)[i * batch : (i + 1) * batch], world)[rank]
 
 
-def _run_loop(spec: dict[str, Any], rank: int, world: int, model: nn.Module, raw: nn.Module,
-              sync: Optional[Callable[[], None]], barrier: Callable[[], None]) -> None:
+def _run_loop(
+    spec: dict[str, Any],
+    rank: int,
+    world: int,
+    model: nn.Module,
+    raw: nn.Module,
+    sync: Optional[Callable[[], None]],
+    barrier: Callable[[], None],
+) -> None:
     """The shared loop: SGD steps on this rank's part of each global batch, timed between barriers; rank 0 writes the result.
 
     ``world`` is the number of ranks of the workload (the floor runs rank 0's part alone with world=W).
@@ -138,10 +169,16 @@ def _run_loop(spec: dict[str, Any], rank: int, world: int, model: nn.Module, raw
     if rank == 0:
         params = {k: v.detach().clone() for k, v in raw.named_parameters()}
         torch.save(params, spec["params"])
-        Path(spec["result"]).write_text(json.dumps({
-            "ms_per_step": 1000 * elapsed / (steps - warmup), "first_step_wall": first_step_wall, "world": world,
-            "pid": os.getpid(),
-        }))
+        Path(spec["result"]).write_text(
+            json.dumps(
+                {
+                    "ms_per_step": 1000 * elapsed / (steps - warmup),
+                    "first_step_wall": first_step_wall,
+                    "world": world,
+                    "pid": os.getpid(),
+                }
+            )
+        )
 
 
 def _load_model(spec: dict[str, Any]) -> nn.Module:
@@ -201,10 +238,15 @@ def _raytrain_loop(spec: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- the contenders, seen from the driver
 
+
 def _child_result(res: dict[str, Any]) -> dict[str, Any]:
     """What a contender run as a child process (run_spec_child: torchrun / mpiexec and its ranks) reports."""
-    return {"ms_per_step": res["ms_per_step"], "launch_s": res["launch_s"], "params": res["params"],
-            **{k: v for k, v in res.items() if k.startswith("raw_allreduce_")}}
+    return {
+        "ms_per_step": res["ms_per_step"],
+        "launch_s": res["launch_s"],
+        "params": res["params"],
+        **{k: v for k, v in res.items() if k.startswith("raw_allreduce_")},
+    }
 
 
 def run_torchrun(spec: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -215,7 +257,17 @@ def run_mpiexec(spec: dict[str, Any], workers: int) -> dict[str, Any]:
     mpiexec = BIN / "mpiexec" if (BIN / "mpiexec").exists() else shutil.which("mpiexec")
     if not mpiexec:
         raise RuntimeError("no mpiexec next to the interpreter or on PATH (pip install mpich)")
-    cmd = [str(mpiexec), "-n", str(workers), sys.executable, str(Path(__file__).resolve()), "--child", "mpi", "--spec", spec["path"]]
+    cmd = [
+        str(mpiexec),
+        "-n",
+        str(workers),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "mpi",
+        "--spec",
+        spec["path"],
+    ]
     return _child_result(run_spec_child(cmd, spec, CHILD_TIMEOUT_S))
 
 
@@ -231,7 +283,9 @@ def run_raw_allreduce(spec: dict[str, Any], workers: int) -> dict[str, Any]:
     class Rank(comm.Member):
         def time_allreduce(self, count: int, reps: int) -> list[float]:
             x = np.zeros(count, dtype=np.float32)
-            return time_reps(self.comm.barrier, lambda: self.comm.allreduce_array_(x), reps)  # the first sets up the connections
+            return time_reps(
+                self.comm.barrier, lambda: self.comm.allreduce_array_(x), reps
+            )  # the first sets up the connections
 
     count = sum(p.numel() for p in build_model(spec["model"]).parameters())
     with fresh_ray(workers):
@@ -263,16 +317,29 @@ def run_raympi(spec: dict[str, Any], workers: int, transport: str = "mpi") -> di
     with fresh_ray(workers):
         start = time.time()
         result = raympi.fit(
-            model, (data["x"], data["y"]), workers=workers, epochs=-(-steps // warmup), max_steps=steps,
-            batch_size=PER_WORKER * workers, optimizer=raympi.optim.sgd(LR), progress=False, seed=SEED,
-            checkpoint_dir=spec["dir"] + "/raympi-ckpt", checkpoint_every=0, torch_threads=1, grad_transport=transport,
+            model,
+            (data["x"], data["y"]),
+            workers=workers,
+            epochs=-(-steps // warmup),
+            max_steps=steps,
+            batch_size=PER_WORKER * workers,
+            optimizer=raympi.optim.sgd(LR),
+            progress=False,
+            seed=SEED,
+            checkpoint_dir=spec["dir"] + "/raympi-ckpt",
+            checkpoint_every=0,
+            torch_threads=1,
+            grad_transport=transport,
         )
     times = {r["step"]: r["time"] for r in result.metrics}
     if sorted(times) != list(range(1, steps + 1)):
         raise RuntimeError(f"raympi reported steps {sorted(times)[:5]}..., not 1..{steps}")
     torch.save({k: v.clone() for k, v in result.state.params.items()}, spec["params"])
-    return {"ms_per_step": 1000 * (times[steps] - times[warmup]) / (steps - warmup), "launch_s": times[1] - start,
-            "params": spec["params"]}
+    return {
+        "ms_per_step": 1000 * (times[steps] - times[warmup]) / (steps - warmup),
+        "launch_s": times[1] - start,
+        "params": spec["params"],
+    }
 
 
 def run_raytrain(spec: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -281,12 +348,18 @@ def run_raytrain(spec: dict[str, Any], workers: int) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
-    "raympi": run_raympi, "raympi-gloo": lambda spec, w: run_raympi(spec, w, "gloo"), "torchrun-ddp": run_torchrun, "raytrain": run_raytrain,
-    "mpiexec-template": run_mpiexec, "floor": run_floor, "raw-allreduce": run_raw_allreduce,
+    "raympi": run_raympi,
+    "raympi-gloo": lambda spec, w: run_raympi(spec, w, "gloo"),
+    "torchrun-ddp": run_torchrun,
+    "raytrain": run_raytrain,
+    "mpiexec-template": run_mpiexec,
+    "floor": run_floor,
+    "raw-allreduce": run_raw_allreduce,
 }
 
 
 # ---------------------------------------------------------------- driver
+
 
 def _prepare(tmp: Path, models: list[str], workers: list[int], steps: int, warmup: int) -> dict[str, Any]:
     """Initial weights per model and one dataset per W, saved for every contender; checks of the restated helpers."""
@@ -332,7 +405,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--workers", default="2,4")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--quick", action="store_true", help="1 run, cnn, W=2, 15 steps (5 warm-up), raympi + mpiexec-template + floor + raw-allreduce")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 run, cnn, W=2, 15 steps (5 warm-up), raympi + mpiexec-template + floor + raw-allreduce",
+    )
     add_child_options(p)
     args = p.parse_args(argv)
     if args.child:
@@ -357,29 +434,62 @@ def main(argv: Optional[list[str]] = None) -> int:
             for model in models:
                 for w in workers:
                     params: dict[str, dict[str, torch.Tensor]] = {}
-                    for name in rotated(contenders, run):  # who goes first rotates, so drifts in machine speed spread out
+                    for name in rotated(
+                        contenders, run
+                    ):  # who goes first rotates, so drifts in machine speed spread out
                         tag = f"{run}-{model}-W{w}-{name}"
-                        spec = write_spec(tmp, tag, model=model, init=files["init"][model], data=files["data"][w], workers=w,
-                                          steps=args.steps, warmup=args.warmup)
-                        row: dict[str, Any] = {"run": run, "model": model, "workers": w, "contender": name, "ms_per_step": None,
-                                               "launch_s": None, "raw_allreduce_ms": None, "raw_allreduce_p10_ms": None,
-                                               "raw_allreduce_p90_ms": None, "max_param_diff": None, "params_match": "", "error": ""}
+                        spec = write_spec(
+                            tmp,
+                            tag,
+                            model=model,
+                            init=files["init"][model],
+                            data=files["data"][w],
+                            workers=w,
+                            steps=args.steps,
+                            warmup=args.warmup,
+                        )
+                        row: dict[str, Any] = {
+                            "run": run,
+                            "model": model,
+                            "workers": w,
+                            "contender": name,
+                            "ms_per_step": None,
+                            "launch_s": None,
+                            "raw_allreduce_ms": None,
+                            "raw_allreduce_p10_ms": None,
+                            "raw_allreduce_p90_ms": None,
+                            "max_param_diff": None,
+                            "params_match": "",
+                            "error": "",
+                        }
                         began = time.time()
 
                         def contend(name: str = name, spec: dict[str, Any] = spec, w: int = w) -> dict[str, Any]:
                             res = RUNNERS[name](spec, w)
                             if res["params"]:
                                 params[name] = torch.load(res["params"], weights_only=True)
-                            return {"ms_per_step": res["ms_per_step"], "launch_s": res["launch_s"],
-                                    **{k: res.get(k) for k in ("raw_allreduce_ms", "raw_allreduce_p10_ms", "raw_allreduce_p90_ms")}}
+                            return {
+                                "ms_per_step": res["ms_per_step"],
+                                "launch_s": res["launch_s"],
+                                **{
+                                    k: res.get(k)
+                                    for k in ("raw_allreduce_ms", "raw_allreduce_p10_ms", "raw_allreduce_p90_ms")
+                                },
+                            }
 
-                        failed |= not attempt(row, contend)  # an error is recorded, reported, and the exit status says so
+                        failed |= not attempt(
+                            row, contend
+                        )  # an error is recorded, reported, and the exit status says so
                         rows.append(row)
                         ms = f"{row['ms_per_step']:.2f} ms/step" if row["ms_per_step"] is not None else row["error"]
-                        print(f"# run {run} {model} W={w} {name}: {ms} ({time.time() - began:.1f} s)", file=sys.stderr, flush=True)
+                        print(
+                            f"# run {run} {model} W={w} {name}: {ms} ({time.time() - began:.1f} s)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     ref_name = next((c for c in COMPARED if c in params), None)
                     init = torch.load(files["init"][model], weights_only=True)
-                    for row in rows[-len(contenders):]:
+                    for row in rows[-len(contenders) :]:
                         if row["contender"] not in params:
                             row["params_match"] = "n/a" if row["contender"] in ("floor", "raw-allreduce") else "ERROR"
                             continue
@@ -390,7 +500,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if ref_name:
                         moved = max((params[ref_name][k] - init[k]).abs().max().item() for k in init)
                         if moved < 10 * ATOL:
-                            print(f"# WARNING: {model} W={w}: the parameters moved only {moved:.1e} from init", file=sys.stderr)
+                            print(
+                                f"# WARNING: {model} W={w}: the parameters moved only {moved:.1e} from init",
+                                file=sys.stderr,
+                            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -416,38 +529,58 @@ def _summarize(rows, models, workers, contenders) -> list[dict[str, Any]]:
                 ms = [r["ms_per_step"] for r in mine if r["ms_per_step"] is not None]
                 launch = [r["launch_s"] for r in mine if r["launch_s"] is not None]
                 marks = {r["params_match"] for r in mine}
-                match = next((x for x in ("ERROR", "FAIL") if x in marks), None) or ("ref" if marks == {"ref"} else "PASS" if marks <= {"PASS", "ref"} else "n/a")
+                match = next((x for x in ("ERROR", "FAIL") if x in marks), None) or (
+                    "ref" if marks == {"ref"} else "PASS" if marks <= {"PASS", "ref"} else "n/a"
+                )
                 diffs = [r["max_param_diff"] for r in mine if r["max_param_diff"] is not None]
                 stats = min_median_max(ms)
-                out.append({
-                    "model": m, "workers": w, "contender": c, **stats,
-                    "ratio": stats["median"] / statistics.median(ref) if ms and ref else None,
-                    "launch": median_or_none(launch), "match": match,
-                    "diff": max(diffs) if diffs else None,
-                })
+                out.append(
+                    {
+                        "model": m,
+                        "workers": w,
+                        "contender": c,
+                        **stats,
+                        "ratio": stats["median"] / statistics.median(ref) if ms and ref else None,
+                        "launch": median_or_none(launch),
+                        "match": match,
+                        "diff": max(diffs) if diffs else None,
+                    }
+                )
     return out
 
 
 def _print_table(summary, args) -> None:
-    print(f"\nms/step over steps {args.warmup + 1}-{args.steps} ({args.steps - args.warmup} timed after {args.warmup} warm-up), "
-          f"{args.runs} run(s); batch {PER_WORKER}/worker; ratio = contender median / raympi median")
+    print(
+        f"\nms/step over steps {args.warmup + 1}-{args.steps} ({args.steps - args.warmup} timed after {args.warmup} warm-up), "
+        f"{args.runs} run(s); batch {PER_WORKER}/worker; ratio = contender median / raympi median"
+    )
     header = f"{'model':5} | {'W':>2} | {'contender':16} | {'min':>8} | {'median':>8} | {'max':>8} | {'ratio':>6} | {'launch s':>8} | params match"
     print(header)
     print("-" * len(header))
     for s in summary:
         diff = f" (max diff {s['diff']:.1e})" if s["match"] in ("PASS", "FAIL") and s["diff"] is not None else ""
-        print(f"{s['model']:5} | {s['workers']:>2} | {s['contender']:16} | {fmt(s['min'], '8.2f')} | {fmt(s['median'], '8.2f')} | "
-              f"{fmt(s['max'], '8.2f')} | {fmt(s['ratio'], '6.2f')} | {fmt(s['launch'], '8.2f')} | {s['match']}{diff}")
-    launches = {c: [s["launch"] for s in summary if s["contender"] == c and s["launch"] is not None] for c in ("raympi", "raytrain")}
+        print(
+            f"{s['model']:5} | {s['workers']:>2} | {s['contender']:16} | {fmt(s['min'], '8.2f')} | {fmt(s['median'], '8.2f')} | "
+            f"{fmt(s['max'], '8.2f')} | {fmt(s['ratio'], '6.2f')} | {fmt(s['launch'], '8.2f')} | {s['match']}{diff}"
+        )
+    launches = {
+        c: [s["launch"] for s in summary if s["contender"] == c and s["launch"] is not None]
+        for c in ("raympi", "raytrain")
+    }
     if all(launches.values()):
         a, b = statistics.median(launches["raympi"]), statistics.median(launches["raytrain"])
-        print(f"launch to first completed step (median over models and W, Ray start excluded): raympi {a:.2f} s, Ray Train {b:.2f} s ({b / a:.1f}x)")
+        print(
+            f"launch to first completed step (median over models and W, Ray start excluded): raympi {a:.2f} s, Ray Train {b:.2f} s ({b / a:.1f}x)"
+        )
 
 
 def _print_targets(summary, rows, models, workers) -> None:
     """raympi against DDP, the template, and the floor plus the raw allreduce of the gradients (issue 15's targets)."""
     med = {(s["model"], s["workers"], s["contender"]): s["median"] for s in summary}
-    targets = {"mlp": {"floor+raw": 1.10, "mpiexec-template": 0.90}, "cnn": {"torchrun-ddp": 0.65, "mpiexec-template": 0.85}}
+    targets = {
+        "mlp": {"floor+raw": 1.10, "mpiexec-template": 0.90},
+        "cnn": {"torchrun-ddp": 0.65, "mpiexec-template": 0.85},
+    }
     print("\nraympi vs the targets (medians of this run)")
     for m in models:
         for w in workers:
@@ -458,22 +591,39 @@ def _print_targets(summary, rows, models, workers) -> None:
             parts = [f"{m} W={w}: raympi {mine:.2f} ms"]
 
             def judged(name: str, ratio: float) -> str:
-                return f" [target <= {goal[name]:.2f}: {'met' if ratio <= goal[name] else 'NOT met'}]" if name in goal else ""
+                return (
+                    f" [target <= {goal[name]:.2f}: {'met' if ratio <= goal[name] else 'NOT met'}]"
+                    if name in goal
+                    else ""
+                )
 
             for other in ("torchrun-ddp", "mpiexec-template"):
                 if med.get((m, w, other)):
                     ratio = mine / med[(m, w, other)]
                     parts.append(f"{ratio:.2f}x {other}{judged(other, ratio)}")
             for source in ("raw-allreduce", "mpiexec-template"):
-                raw = [r for r in rows if r["model"] == m and r["workers"] == w and r["contender"] == source
-                       and r["raw_allreduce_ms"] and r["raw_allreduce_p10_ms"] is not None]
+                raw = [
+                    r
+                    for r in rows
+                    if r["model"] == m
+                    and r["workers"] == w
+                    and r["contender"] == source
+                    and r["raw_allreduce_ms"]
+                    and r["raw_allreduce_p10_ms"] is not None
+                ]
                 if raw and med.get((m, w, "floor")):
                     ms = statistics.median(r["raw_allreduce_ms"] for r in raw)
                     spread = f"p10-p90 {min(r['raw_allreduce_p10_ms'] for r in raw):.2f}-{max(r['raw_allreduce_p90_ms'] for r in raw):.2f}"
                     ratio = mine / (med[(m, w, "floor")] + ms)
-                    where = "Ray actors, fit's transport" if source == "raw-allreduce" else "under mpiexec, its default transport"
-                    parts.append(f"{ratio:.2f}x floor {med[(m, w, 'floor')]:.2f} + raw allreduce {ms:.2f} ms ({where}, {spread})"
-                                 + (judged("floor+raw", ratio) if source == "raw-allreduce" else ""))
+                    where = (
+                        "Ray actors, fit's transport"
+                        if source == "raw-allreduce"
+                        else "under mpiexec, its default transport"
+                    )
+                    parts.append(
+                        f"{ratio:.2f}x floor {med[(m, w, 'floor')]:.2f} + raw allreduce {ms:.2f} ms ({where}, {spread})"
+                        + (judged("floor+raw", ratio) if source == "raw-allreduce" else "")
+                    )
             print("  " + ",\n    ".join(parts))
 
 

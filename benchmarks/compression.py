@@ -63,7 +63,11 @@ def main() -> None:
     start_local_ray(2, log_to_driver=False)
     rows = []
     for netmod in netmods:
-        env = {"OMP_NUM_THREADS": "1", "MPIR_CVAR_CH4_NETMOD": netmod, **({"FI_PROVIDER": "tcp"} if netmod == "ofi" else {})}
+        env = {
+            "OMP_NUM_THREADS": "1",
+            "MPIR_CVAR_CH4_NETMOD": netmod,
+            **({"FI_PROVIDER": "tcp"} if netmod == "ofi" else {}),
+        }
         actors = [Bench.options(runtime_env={"env_vars": env}).remote() for _ in range(2)]
         comm.form(actors, timeout_s=120)
         results: dict = {}

@@ -45,20 +45,60 @@ CHUNK_S, MAX_CHUNK = 0.5, 512  # raympi.driver.pipeline: a chunk is ~0.5 s of st
 
 # name: (fast end, slow end, source)
 CONST: dict[str, tuple[float, float, str]] = {
-    "nvlink_busbw": (480e9, 360e9, "published: NCCL all_reduce busbw reported by nccl-tests on DGX H100 (NVLink4 / NVSwitch, 900 GB/s bidirectional per GPU in NVIDIA's DGX H100 spec); A100: ~230 GB/s"),
-    "ib_busbw": (45e9, 40e9, "published/typical: nccl-tests all_reduce busbw across DGX H100 nodes, 8 x ConnectX-7 400 Gb/s NDR per node (one per GPU, DGX H100 spec), 50 GB/s line rate per GPU"),
+    "nvlink_busbw": (
+        480e9,
+        360e9,
+        "published: NCCL all_reduce busbw reported by nccl-tests on DGX H100 (NVLink4 / NVSwitch, 900 GB/s bidirectional per GPU in NVIDIA's DGX H100 spec); A100: ~230 GB/s",
+    ),
+    "ib_busbw": (
+        45e9,
+        40e9,
+        "published/typical: nccl-tests all_reduce busbw across DGX H100 nodes, 8 x ConnectX-7 400 Gb/s NDR per node (one per GPU, DGX H100 spec), 50 GB/s line rate per GPU",
+    ),
     "nccl_alpha_node": (10e-6, 20e-6, "assumed: one NCCL all-reduce's latency on one NVSwitch node"),
-    "nccl_alpha_cluster": (0.1e-3, 0.5e-3, "assumed: one NCCL all-reduce's latency over 128 nodes (tree ~ 2 log2(128) hops, ring ~ 2 x 127 hops of a few us)"),
-    "pcie": (25e9, 20e9, "assumed: device <-> pinned host per GPU while all 8 copy: 4 PCIe Gen5 x16 uplinks (~50 GB/s effective per direction each), 2 GPUs per uplink"),
-    "shm_beta": (11.4e9, 8.2e9, "measured here: MPI allreduce busbw between 2 ranks in shared memory, UCX, 1 MB / 16 MB (scale.py; includes the sum)"),
-    "host_dram": (500e9, 400e9, "assumed: host memory bandwidth, 2 x Xeon 8480C, 16 channels DDR5-4800 (614 GB/s peak, DGX H100 spec)"),
-    "dram_per_bus_byte": (4.0, 5.0, "assumed: DRAM bytes moved per bus byte of a shared-memory allreduce (copy in, copy out, read and add)"),
+    "nccl_alpha_cluster": (
+        0.1e-3,
+        0.5e-3,
+        "assumed: one NCCL all-reduce's latency over 128 nodes (tree ~ 2 log2(128) hops, ring ~ 2 x 127 hops of a few us)",
+    ),
+    "pcie": (
+        25e9,
+        20e9,
+        "assumed: device <-> pinned host per GPU while all 8 copy: 4 PCIe Gen5 x16 uplinks (~50 GB/s effective per direction each), 2 GPUs per uplink",
+    ),
+    "shm_beta": (
+        11.4e9,
+        8.2e9,
+        "measured here: MPI allreduce busbw between 2 ranks in shared memory, UCX, 1 MB / 16 MB (scale.py; includes the sum)",
+    ),
+    "host_dram": (
+        500e9,
+        400e9,
+        "assumed: host memory bandwidth, 2 x Xeon 8480C, 16 channels DDR5-4800 (614 GB/s peak, DGX H100 spec)",
+    ),
+    "dram_per_bus_byte": (
+        4.0,
+        5.0,
+        "assumed: DRAM bytes moved per bus byte of a shared-memory allreduce (copy in, copy out, read and add)",
+    ),
     "mpi_alpha_shm": (6.3e-6, 17e-6, "measured here: 8 B allreduce between 2 ranks, UCX (scale.py)"),
     "mpi_alpha_tcp": (30e-6, 50e-6, "assumed: one TCP message between nodes through OFI/tcp"),
-    "tcp_core": (3e9, 0.75e9, "slow end measured here (754 MB/s busbw at 16 MB, 2 ranks over veths, OFI/tcp, multihost.py); fast end assumed: one server core's TCP send + receive"),
+    "tcp_core": (
+        3e9,
+        0.75e9,
+        "slow end measured here (754 MB/s busbw at 16 MB, 2 ranks over veths, OFI/tcp, multihost.py); fast end assumed: one server core's TCP send + receive",
+    ),
     "tcp_efficiency": (0.9, 0.7, "assumed: TCP payload rate / NIC line rate with 8 ranks' connections"),
-    "sum_rate": (13.5e9, 8e9, "measured here: np.add float32 in place, one core, 7.9-17.7 GB/s over three runs at 16 / 64 MB (--measure); MPICH's own loop assumed no faster"),
-    "driver_rank_step": (40e-6, 65e-6, "measured here: 65 us per rank and step with tensor indices (scale.py b); 40 us derived for numpy indices, which the driver sends now (65 - 34 + 9), not re-measured"),
+    "sum_rate": (
+        13.5e9,
+        8e9,
+        "measured here: np.add float32 in place, one core, 7.9-17.7 GB/s over three runs at 16 / 64 MB (--measure); MPICH's own loop assumed no faster",
+    ),
+    "driver_rank_step": (
+        40e-6,
+        65e-6,
+        "measured here: 65 us per rank and step with tensor indices (scale.py b); 40 us derived for numpy indices, which the driver sends now (65 - 34 + 9), not re-measured",
+    ),
     "ckpt_d2h": (25e9, 20e9, "assumed: rank 0's device -> host copy"),
     "ckpt_write": (2e9, 1e9, "assumed: NVMe or object store; here ~0.3 GB/s (checkpoint_large.py)"),
 }
@@ -80,10 +120,22 @@ def _transformer_step(params: float, tokens: int, peak: float, mfu: float) -> fl
 
 
 WORKLOADS = [
-    Workload("ResNet-50", 25.6e6, 256 / 3000, 2 / 3, 2 * 4 * 25.6e6,
-             "assumed: ~3000 img/s per H100 in bf16 (MLPerf-class) at batch 256 per GPU: 85 ms a step, backward 2/3; SGD + momentum: state 0.2 GB"),
-    Workload("1B transformer", 1e9, _transformer_step(1e9, 16384, 989e12, 0.40), 2 / 3, 12e9,
-             "assumed: 16,384 tokens per GPU per step (8 x 2048), 6 x params FLOPs a token, H100 bf16 dense peak 989 TFLOP/s (NVIDIA spec) at 40 % MFU: 248 ms a step, backward 2/3; fp32 master weights + Adam: state 12 GB"),
+    Workload(
+        "ResNet-50",
+        25.6e6,
+        256 / 3000,
+        2 / 3,
+        2 * 4 * 25.6e6,
+        "assumed: ~3000 img/s per H100 in bf16 (MLPerf-class) at batch 256 per GPU: 85 ms a step, backward 2/3; SGD + momentum: state 0.2 GB",
+    ),
+    Workload(
+        "1B transformer",
+        1e9,
+        _transformer_step(1e9, 16384, 989e12, 0.40),
+        2 / 3,
+        12e9,
+        "assumed: 16,384 tokens per GPU per step (8 x 2048), 6 x params FLOPs a token, H100 bf16 dense peak 989 TFLOP/s (NVIDIA spec) at 40 % MFU: 248 ms a step, backward 2/3; fp32 master weights + Adam: state 12 GB",
+    ),
 ]
 
 
@@ -128,7 +180,12 @@ def _nccl(c: dict, nbytes: float, ranks: int, backward_s: float) -> dict:
         alpha, bw, limit = c["nccl_alpha_cluster"], c["ib_busbw"], "InfiniBand busbw per GPU (400 Gb/s)"
     total, exposed, _ = _pipeline(_buckets(nbytes), backward_s, [lambda b: alpha + b * f / bw])
     terms = {limit: nbytes * f / bw, "NCCL latency per bucket": alpha * len(_buckets(nbytes))}
-    return {"total_s": total, "exposed_s": exposed, "terms": terms, "exposed_terms": {max(terms, key=terms.get): exposed}}
+    return {
+        "total_s": total,
+        "exposed_s": exposed,
+        "terms": terms,
+        "exposed_terms": {max(terms, key=terms.get): exposed},
+    }
 
 
 def _mpi(c: dict, nbytes: float, ranks: int, backward_s: float, nic_gbps: float = 0, nics: int = 1) -> dict:
@@ -141,21 +198,37 @@ def _mpi(c: dict, nbytes: float, ranks: int, backward_s: float, nic_gbps: float 
         sum_per_byte = 0.0  # inside the measured shm_beta
     else:
         ranks_per_nic = 8 // nics
-        caps = {f"{nic_gbps:.0f} Gb/s NIC shared by {ranks_per_nic} ranks" if ranks_per_nic > 1 else "NIC per GPU":
-                c["tcp_efficiency"] * nic_gbps * 1e9 / 8 / ranks_per_nic,
-                "TCP stack of one core per rank": c["tcp_core"]}
+        caps = {
+            f"{nic_gbps:.0f} Gb/s NIC shared by {ranks_per_nic} ranks" if ranks_per_nic > 1 else "NIC per GPU": c[
+                "tcp_efficiency"
+            ]
+            * nic_gbps
+            * 1e9
+            / 8
+            / ranks_per_nic,
+            "TCP stack of one core per rank": c["tcp_core"],
+        }
         alpha = 2 * math.ceil(math.log2(ranks)) * c["mpi_alpha_tcp"]
         sum_per_byte = (ranks - 1) / ranks / c["sum_rate"]
     cap_name = min(caps, key=caps.get)
     rate = caps[cap_name]
     buckets = _buckets(nbytes)
-    stages = [lambda b: b / pcie,  # device -> pinned host, side stream
-              lambda b: alpha + b * f / rate + b * sum_per_byte,  # MPI, the reduction thread
-              (lambda b: b / pcie, True)]  # host -> device in finish(), after backward
+    stages = [
+        lambda b: b / pcie,  # device -> pinned host, side stream
+        lambda b: alpha + b * f / rate + b * sum_per_byte,  # MPI, the reduction thread
+        (lambda b: b / pcie, True),
+    ]  # host -> device in finish(), after backward
     total, exposed, tail = _pipeline(buckets, backward_s, stages)
-    terms = {cap_name: nbytes * f / rate, "PCIe copies (both ways)": 2 * nbytes / pcie,
-             "CPU sum": nbytes * sum_per_byte, "MPI latency": alpha * len(buckets)}
-    exposed_terms = {max(terms, key=terms.get): exposed - tail, "copies back to the GPU, which wait for backward's end": tail}
+    terms = {
+        cap_name: nbytes * f / rate,
+        "PCIe copies (both ways)": 2 * nbytes / pcie,
+        "CPU sum": nbytes * sum_per_byte,
+        "MPI latency": alpha * len(buckets),
+    }
+    exposed_terms = {
+        max(terms, key=terms.get): exposed - tail,
+        "copies back to the GPU, which wait for backward's end": tail,
+    }
     return {"total_s": total, "exposed_s": exposed, "terms": terms, "exposed_terms": exposed_terms}
 
 
@@ -164,8 +237,13 @@ def _driver(c: dict, workers: int, step_s: float) -> dict:
     per_chunk = DRIVER_CHUNK_S + DRIVER_RANK_CHUNK_S * workers + c["driver_rank_step"] * workers * k
     per_step = per_chunk / k
     saturates = (k * step_s - DRIVER_CHUNK_S) / (DRIVER_RANK_CHUNK_S + c["driver_rank_step"] * k)
-    return {"total_s": per_step, "exposed_s": max(0.0, per_step - step_s), "k": k, "cores": per_step / step_s,
-            "saturates_at": saturates}
+    return {
+        "total_s": per_step,
+        "exposed_s": max(0.0, per_step - step_s),
+        "k": k,
+        "cores": per_step / step_s,
+        "saturates_at": saturates,
+    }
 
 
 def _fmt_s(lo: float, hi: float) -> str:
@@ -212,9 +290,11 @@ def rows() -> list[dict[str, Any]]:
             if gpus == 8:
                 variants.append(("mpi", "shared memory (fp32 on the wire; bf16 grads widened)", 4, {}))
             else:
-                variants += [("mpi", "TCP, one 100 Gb/s NIC per node (fp32 on the wire)", 4, {"nic_gbps": 100, "nics": 1}),
-                             ("mpi", "TCP, one 400 Gb/s NIC per node", 4, {"nic_gbps": 400, "nics": 1}),
-                             ("mpi", "TCP over 8 x 400 Gb/s NICs (one per GPU)", 4, {"nic_gbps": 400, "nics": 8})]
+                variants += [
+                    ("mpi", "TCP, one 100 Gb/s NIC per node (fp32 on the wire)", 4, {"nic_gbps": 100, "nics": 1}),
+                    ("mpi", "TCP, one 400 Gb/s NIC per node", 4, {"nic_gbps": 400, "nics": 1}),
+                    ("mpi", "TCP over 8 x 400 Gb/s NICs (one per GPU)", 4, {"nic_gbps": 400, "nics": 8}),
+                ]
             best_step = None
             for transport, variant, width, kw in variants:
                 nbytes = w.params * width
@@ -223,43 +303,83 @@ def rows() -> list[dict[str, Any]]:
                 step = (w.compute_s + rf["exposed_s"], w.compute_s + rs["exposed_s"])
                 if best_step is None or step[1] < best_step[1]:
                     best_step = step
-                out.append({"workload": w.name, "gpus": gpus, "term": f"gradients, `{transport}`", "variant": variant,
-                            "bytes": nbytes, "total_s": (rf["total_s"], rs["total_s"]),
-                            "exposed_s": (rf["exposed_s"], rs["exposed_s"]),
-                            "step_x": ((w.compute_s + rf["exposed_s"]) / w.compute_s, (w.compute_s + rs["exposed_s"]) / w.compute_s),
-                            "first_limit": _limit(rf, rs, w.compute_s)})
+                out.append(
+                    {
+                        "workload": w.name,
+                        "gpus": gpus,
+                        "term": f"gradients, `{transport}`",
+                        "variant": variant,
+                        "bytes": nbytes,
+                        "total_s": (rf["total_s"], rs["total_s"]),
+                        "exposed_s": (rf["exposed_s"], rs["exposed_s"]),
+                        "step_x": (
+                            (w.compute_s + rf["exposed_s"]) / w.compute_s,
+                            (w.compute_s + rs["exposed_s"]) / w.compute_s,
+                        ),
+                        "first_limit": _limit(rf, rs, w.compute_s),
+                    }
+                )
             df, ds = _driver(fast, gpus, best_step[0]), _driver(slow, gpus, best_step[1])
             cores = _pair(df["cores"], ds["cores"])
             sat = _pair(df["saturates_at"], ds["saturates_at"])
             ks = sorted({df["k"], ds["k"]})
             chunk = f"chunks of {'-'.join(map(str, ks))} step{'s' if ks[-1] > 1 else ''}"
             where = f"one core is full at ~{sat[0]:.0f}-{sat[1]:.0f} workers"
-            limit = (f"the driver: needs {cores[0]:.2f}-{cores[1]:.2f} cores ({chunk}; {where})" if cores[1] > 1
-                     else f"none: {cores[0]:.3f}-{cores[1]:.3f} of a driver core ({chunk}; {where})")
-            out.append({"workload": w.name, "gpus": gpus, "term": "driver CPU per step", "variant": "at the fastest `nccl` step above",
-                        "bytes": None, "total_s": _pair(df["total_s"], ds["total_s"]), "exposed_s": _pair(df["exposed_s"], ds["exposed_s"]),
-                        "step_x": _pair(max(best_step[0], df["total_s"]) / w.compute_s, max(best_step[1], ds["total_s"]) / w.compute_s),
-                        "first_limit": limit})
+            limit = (
+                f"the driver: needs {cores[0]:.2f}-{cores[1]:.2f} cores ({chunk}; {where})"
+                if cores[1] > 1
+                else f"none: {cores[0]:.3f}-{cores[1]:.3f} of a driver core ({chunk}; {where})"
+            )
+            out.append(
+                {
+                    "workload": w.name,
+                    "gpus": gpus,
+                    "term": "driver CPU per step",
+                    "variant": "at the fastest `nccl` step above",
+                    "bytes": None,
+                    "total_s": _pair(df["total_s"], ds["total_s"]),
+                    "exposed_s": _pair(df["exposed_s"], ds["exposed_s"]),
+                    "step_x": _pair(
+                        max(best_step[0], df["total_s"]) / w.compute_s, max(best_step[1], ds["total_s"]) / w.compute_s
+                    ),
+                    "first_limit": limit,
+                }
+            )
         blocked = (w.state_bytes / fast["ckpt_d2h"], w.state_bytes / slow["ckpt_d2h"])
         write = (w.state_bytes / fast["ckpt_write"], w.state_bytes / slow["ckpt_write"])
-        out.append({"workload": w.name, "gpus": "any", "term": "checkpoint (rank 0)", "variant": "blocked: device -> host copy; write in the background",
-                    "bytes": w.state_bytes, "total_s": write, "exposed_s": blocked, "step_x": None, "per": " a checkpoint",
-                    "first_limit": f"per checkpoint, not per step: the write ({_fmt_s(*write)}) must end before the next one"})
+        out.append(
+            {
+                "workload": w.name,
+                "gpus": "any",
+                "term": "checkpoint (rank 0)",
+                "variant": "blocked: device -> host copy; write in the background",
+                "bytes": w.state_bytes,
+                "total_s": write,
+                "exposed_s": blocked,
+                "step_x": None,
+                "per": " a checkpoint",
+                "first_limit": f"per checkpoint, not per step: the write ({_fmt_s(*write)}) must end before the next one",
+            }
+        )
     return out
 
 
 def table(rs: list[dict[str, Any]]) -> str:
-    lines = ["| workload | GPUs | term | variant | bytes/GPU | time | exposed per step | step / compute | first limit |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | GPUs | term | variant | bytes/GPU | time | exposed per step | step / compute | first limit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rs:
         step_x = "-"
         if r["step_x"] is not None:
             d = 2 if r["step_x"][1] < 10 else 1
             a, b = f"{r['step_x'][0]:.{d}f}", f"{r['step_x'][1]:.{d}f}"
             step_x = f"{a}x" if a == b else f"{a}-{b}x"
-        lines.append(f"| {r['workload']} | {r['gpus']} | {r['term']} | {r['variant']} | "
-                     f"{'-' if r['bytes'] is None else _fmt_bytes(r['bytes'])} | {_fmt_s(*r['total_s'])} | "
-                     f"{_fmt_s(*r['exposed_s'])}{r.get('per', '')} | {step_x} | {r['first_limit']} |")
+        lines.append(
+            f"| {r['workload']} | {r['gpus']} | {r['term']} | {r['variant']} | "
+            f"{'-' if r['bytes'] is None else _fmt_bytes(r['bytes'])} | {_fmt_s(*r['total_s'])} | "
+            f"{_fmt_s(*r['exposed_s'])}{r.get('per', '')} | {step_x} | {r['first_limit']} |"
+        )
     return "\n".join(lines)
 
 
@@ -285,15 +405,27 @@ def main() -> None:
     args = parser.parse_args()
     rs = rows()
     if args.json:
-        print(json.dumps({"constants": {k: {"fast": v[0], "slow": v[1], "source": v[2]} for k, v in CONST.items()},
-                          "workloads": [dataclasses.asdict(w) for w in WORKLOADS], "rows": rs}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "constants": {k: {"fast": v[0], "slow": v[1], "source": v[2]} for k, v in CONST.items()},
+                    "workloads": [dataclasses.asdict(w) for w in WORKLOADS],
+                    "rows": rs,
+                },
+                indent=1,
+            )
+        )
     else:
         print(table(rs))
         print()
         for w in WORKLOADS:
-            print(f"- {w.name}: compute {w.compute_s * 1e3:.0f} ms/step, backward {w.compute_s * w.backward_frac * 1e3:.0f} ms ({w.note})")
+            print(
+                f"- {w.name}: compute {w.compute_s * 1e3:.0f} ms/step, backward {w.compute_s * w.backward_frac * 1e3:.0f} ms ({w.note})"
+            )
     if args.measure:
-        print(f"\nnp.add float32, 64 MB, this machine: {measure_sum() / 1e9:.1f} GB/s (sum_rate's fast end: {CONST['sum_rate'][0] / 1e9:.1f})")
+        print(
+            f"\nnp.add float32, 64 MB, this machine: {measure_sum() / 1e9:.1f} GB/s (sum_rate's fast end: {CONST['sum_rate'][0] / 1e9:.1f})"
+        )
 
 
 if __name__ == "__main__":

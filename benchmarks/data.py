@@ -55,8 +55,25 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks share)
-    LR, PER_WORKER, ROOT, SEED, add_child_options, attempt, ddp, example_defs, fmt, fresh_ray, median_or_none,
-    min_median_max, mnist_example, raytrain_ddp, read_spec, rotated, save_results, torchrun_gloo, write_spec,
+    LR,
+    PER_WORKER,
+    ROOT,
+    SEED,
+    add_child_options,
+    attempt,
+    ddp,
+    example_defs,
+    fmt,
+    fresh_ray,
+    median_or_none,
+    min_median_max,
+    mnist_example,
+    raytrain_ddp,
+    read_spec,
+    rotated,
+    save_results,
+    torchrun_gloo,
+    write_spec,
 )
 from _common import run_raytrain as _run_raytrain  # noqa: E402
 from _common import run_torchrun as _run_torchrun  # noqa: E402
@@ -80,6 +97,7 @@ REFERENCE = "raympi-tv-lw0"
 
 # ---------------------------------------------------------------- the workload (driver, torchrun ranks, Ray Train workers)
 
+
 def subset(dataset: Any, n: int) -> Any:
     return torch.utils.data.Subset(dataset, range(n)) if n else dataset
 
@@ -102,13 +120,15 @@ class TorchOpAugment(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         top, left = torch.randint(0, self.span, (2,)).tolist()
-        img = self.padded[i, top:top + self.size, left:left + self.size]
+        img = self.padded[i, top : top + self.size, left : left + self.size]
         if torch.rand(()) < 0.5:
             img = img.flip(-1)
         return img.unsqueeze(0).float().div_(255).sub_(self.mean).div_(self.std), self.labels[i]
 
 
-def _dataloader_loop(spec: dict[str, Any], rank: int, world: int, model: torch.nn.Module, barrier: Callable[[], None]) -> None:
+def _dataloader_loop(
+    spec: dict[str, Any], rank: int, world: int, model: torch.nn.Module, barrier: Callable[[], None]
+) -> None:
     """DDP's side: DataLoader(augmented, 32, DistributedSampler, num_workers=1), SGD; timed between barriers."""
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -139,8 +159,11 @@ def _dataloader_loop(spec: dict[str, Any], rank: int, world: int, model: torch.n
     barrier()
     elapsed = time.perf_counter() - t0
     if rank == 0:
-        Path(spec["result"]).write_text(json.dumps({
-            "ms_per_step": 1000 * elapsed / (steps - warmup), "first_step_wall": first_step_wall, "world": world}))
+        Path(spec["result"]).write_text(
+            json.dumps(
+                {"ms_per_step": 1000 * elapsed / (steps - warmup), "first_step_wall": first_step_wall, "world": world}
+            )
+        )
 
 
 def _child_model(spec: dict[str, Any]) -> torch.nn.Module:
@@ -167,6 +190,7 @@ def _raytrain_loop(spec: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------- the contenders, seen from the driver
+
 
 class Inputs:
     """What the driver prepares once: initial weights, the datasets of the raympi rows."""
@@ -200,7 +224,9 @@ def _steady(metrics: list[dict[str, Any]], steps: int, warmup: int) -> float:
     ends = [s for s in range(1, steps) if times[s + 1] - times[s] > CHUNK_GAP_S]
     if not ends:
         raise RuntimeError(f"all {steps} steps came in one chunk: raise --steps")
-    s0 = min((s for s in ends if s >= warmup), default=ends[-1])  # end of the chunk holding step `warmup` (or the last end)
+    s0 = min(
+        (s for s in ends if s >= warmup), default=ends[-1]
+    )  # end of the chunk holding step `warmup` (or the last end)
     return GLOBAL * (steps - s0) / (times[steps] - times[s0])
 
 
@@ -208,8 +234,10 @@ def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any
     import raympi
 
     dataset, loader_workers = {
-        "raympi-tv-lw0": (inputs.augmented, 0), "raympi-tv-lw1": (inputs.augmented, 1),
-        "raympi-torch-op": (inputs.torch_op, 0), "raympi-tensors": (inputs.tensors, None),
+        "raympi-tv-lw0": (inputs.augmented, 0),
+        "raympi-tv-lw1": (inputs.augmented, 1),
+        "raympi-torch-op": (inputs.torch_op, 0),
+        "raympi-tensors": (inputs.tensors, None),
     }[name]
     torch.set_num_threads(1)
     model = mnist_example().Net()
@@ -217,11 +245,24 @@ def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any
     with fresh_ray(WORLD):
         start = time.time()
         result = raympi.fit(
-            model, dataset, workers=WORLD, epochs=-(-spec["steps"] // (inputs.length // GLOBAL)), max_steps=spec["steps"],
-            batch_size=GLOBAL, optimizer=raympi.optim.sgd(LR), progress=False, seed=SEED, torch_threads=1,
-            loader_workers=loader_workers, checkpoint_dir=spec["dir"] + "/raympi-ckpt", checkpoint_every=0,
+            model,
+            dataset,
+            workers=WORLD,
+            epochs=-(-spec["steps"] // (inputs.length // GLOBAL)),
+            max_steps=spec["steps"],
+            batch_size=GLOBAL,
+            optimizer=raympi.optim.sgd(LR),
+            progress=False,
+            seed=SEED,
+            torch_threads=1,
+            loader_workers=loader_workers,
+            checkpoint_dir=spec["dir"] + "/raympi-ckpt",
+            checkpoint_every=0,
         )
-    return {"samples_per_s": _steady(result.metrics, spec["steps"], spec["warmup"]), "start_s": result.metrics[0]["time"] - start}
+    return {
+        "samples_per_s": _steady(result.metrics, spec["steps"], spec["warmup"]),
+        "start_s": result.metrics[0]["time"] - start,
+    }
 
 
 def run_torchrun(spec: dict[str, Any]) -> dict[str, Any]:
@@ -244,6 +285,7 @@ def run_contender(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, 
 
 # ---------------------------------------------------------------- driver
 
+
 def _summarize(rows: list[dict[str, Any]], contenders: list[str]) -> list[dict[str, Any]]:
     ref = [r["samples_per_s"] for r in rows if r["contender"] == REFERENCE and r["samples_per_s"] is not None]
     out = []
@@ -252,8 +294,15 @@ def _summarize(rows: list[dict[str, Any]], contenders: list[str]) -> list[dict[s
         sps = [r["samples_per_s"] for r in mine if r["samples_per_s"] is not None]
         start = [r["start_s"] for r in mine if r["start_s"] is not None]
         stats = min_median_max(sps)
-        out.append({"contender": c, **stats, "ratio": stats["median"] / statistics.median(ref) if sps and ref else None,
-                    "start": median_or_none(start), "errors": sum(1 for r in mine if r["error"])})
+        out.append(
+            {
+                "contender": c,
+                **stats,
+                "ratio": stats["median"] / statistics.median(ref) if sps and ref else None,
+                "start": median_or_none(start),
+                "errors": sum(1 for r in mine if r["error"]),
+            }
+        )
     return out
 
 
@@ -267,8 +316,10 @@ def _table(summary: list[dict[str, Any]], args: argparse.Namespace, inputs: Inpu
     lines += [header, "-" * len(header)]
     for s in summary:
         err = f" ({s['errors']} failed)" if s["errors"] else ""
-        lines.append(f"{s['contender']:16} | {LABELS[s['contender']]:42} | {fmt(s['min'], '7.0f')} | {fmt(s['median'], '7.0f')} | "
-                     f"{fmt(s['max'], '7.0f')} | {fmt(s['ratio'], '5.2f')} | {fmt(s['start'], '7.2f')}{err}")
+        lines.append(
+            f"{s['contender']:16} | {LABELS[s['contender']]:42} | {fmt(s['min'], '7.0f')} | {fmt(s['median'], '7.0f')} | "
+            f"{fmt(s['max'], '7.0f')} | {fmt(s['ratio'], '5.2f')} | {fmt(s['start'], '7.2f')}{err}"
+        )
     med = {s["contender"]: s["median"] for s in summary if s["median"]}
     lines += ["", "targets (medians of this run)"]
     for mine in ("raympi-tv-lw0", "raympi-tv-lw1", "raympi-torch-op"):
@@ -293,7 +344,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="steps per run, warm-up included")
     p.add_argument("--warmup", type=int, default=50, help="steps not timed")
     p.add_argument("--subset", type=int, default=0, help="use only the first N training images (0: all 60,000)")
-    p.add_argument("--data-dir", default=str(ROOT / "data"), help="torchvision's data folder (Fashion-MNIST from Debian's package)")
+    p.add_argument(
+        "--data-dir", default=str(ROOT / "data"), help="torchvision's data folder (Fashion-MNIST from Debian's package)"
+    )
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--quick", action="store_true", help="1 run, 2,048 images, 20 steps (5 warm-up)")
     add_child_options(p)
@@ -317,11 +370,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         for run in range(args.runs):
             for name in rotated(contenders, run):  # who goes first rotates, so drifts in machine speed spread out
                 tag = f"{run}-{name}"
-                spec = write_spec(tmp, tag, init=inputs.init, data_dir=args.data_dir, subset=args.subset, per_worker=PER_WORKER,
-                                  lr=LR, steps=args.steps, warmup=args.warmup)
-                row: dict[str, Any] = {"run": run, "contender": name, "samples_per_s": None, "start_s": None, "error": ""}
+                spec = write_spec(
+                    tmp,
+                    tag,
+                    init=inputs.init,
+                    data_dir=args.data_dir,
+                    subset=args.subset,
+                    per_worker=PER_WORKER,
+                    lr=LR,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                )
+                row: dict[str, Any] = {
+                    "run": run,
+                    "contender": name,
+                    "samples_per_s": None,
+                    "start_s": None,
+                    "error": "",
+                }
                 began = time.time()
-                attempt(row, lambda: run_contender(name, spec, inputs))  # an error is recorded, reported, and the exit status says so
+                attempt(
+                    row, lambda: run_contender(name, spec, inputs)
+                )  # an error is recorded, reported, and the exit status says so
                 rows.append(row)
                 got = f"{row['samples_per_s']:.0f} samples/s" if row["samples_per_s"] is not None else row["error"]
                 print(f"# run {run} {name}: {got} ({time.time() - began:.1f} s)", file=sys.stderr, flush=True)

@@ -65,8 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         cfg = parse_config(workers=2, batch_size=64, progress=False)
         store = CheckpointStore(folder, keep=2)
-        controller = Controller(cfg, spec=type("Spec", (), {"device": "cpu"})(), pipeline=pipeline, store=store, run=RunState(),
-                                new_group=FakeGroup, capacity=lambda bundle: 2)
+        controller = Controller(
+            cfg,
+            spec=type("Spec", (), {"device": "cpu"})(),
+            pipeline=pipeline,
+            store=store,
+            run=RunState(),
+            new_group=FakeGroup,
+            capacity=lambda bundle: 2,
+        )
         began = time.process_time()
         run = controller.fit()
         store.close()

@@ -116,12 +116,26 @@ def one_fit(dataset: Any, tmp: str) -> dict[str, Any]:
         model = mnist_example().Net()
         with PeakRSS() as rss:
             start = time.time()
-            result = raympi.fit(model, dataset, workers=WORLD, epochs=1, max_steps=STEPS, batch_size=BATCH, progress=False,
-                                torch_threads=1, checkpoint_dir=tempfile.mkdtemp(dir=tmp), checkpoint_every=0)
+            result = raympi.fit(
+                model,
+                dataset,
+                workers=WORLD,
+                epochs=1,
+                max_steps=STEPS,
+                batch_size=BATCH,
+                progress=False,
+                torch_threads=1,
+                checkpoint_dir=tempfile.mkdtemp(dir=tmp),
+                checkpoint_every=0,
+            )
         if [r["step"] for r in result.metrics] != list(range(1, STEPS + 1)):
             raise RuntimeError(f"fit reported steps {[r['step'] for r in result.metrics]}")
-        return {"rss_growth_mb": (rss.peak - rss.base) / 2**20, "rss_kept_mb": (rss.after - rss.base) / 2**20,
-                "start_s": result.metrics[0]["time"] - start, "total_s": result.metrics[-1]["time"] - start}
+        return {
+            "rss_growth_mb": (rss.peak - rss.base) / 2**20,
+            "rss_kept_mb": (rss.after - rss.base) / 2**20,
+            "start_s": result.metrics[0]["time"] - start,
+            "total_s": result.metrics[-1]["time"] - start,
+        }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -146,18 +160,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="raympi-drvmem-") as tmp:
         if not args.quick:
             warm = one_fit(LazyImages(len(cases[human(sizes[0])])), tmp)
-            print(f"# cold (first fit in this process, imports included, not in the table): RSS growth "
-                  f"{warm['rss_growth_mb']:.1f} MB, start {warm['start_s']:.2f} s", file=sys.stderr, flush=True)
+            print(
+                f"# cold (first fit in this process, imports included, not in the table): RSS growth "
+                f"{warm['rss_growth_mb']:.1f} MB, start {warm['start_s']:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         names = list(cases)
         for run in range(args.runs):
             for name in rotated(names, run):
                 data = cases[name]
                 n = len(data[1]) if isinstance(data, tuple) else len(data)
-                row: dict[str, Any] = {"run": run, "case": name, "samples": n, "rss_growth_mb": None, "rss_kept_mb": None,
-                                       "start_s": None, "total_s": None, "error": ""}
+                row: dict[str, Any] = {
+                    "run": run,
+                    "case": name,
+                    "samples": n,
+                    "rss_growth_mb": None,
+                    "rss_kept_mb": None,
+                    "start_s": None,
+                    "total_s": None,
+                    "error": "",
+                }
                 failed |= not attempt(row, lambda: one_fit(data, tmp))
                 rows.append(row)
-                got = (f"RSS +{row['rss_growth_mb']:.1f} MB, start {row['start_s']:.2f} s" if not row["error"] else row["error"])
+                got = (
+                    f"RSS +{row['rss_growth_mb']:.1f} MB, start {row['start_s']:.2f} s"
+                    if not row["error"]
+                    else row["error"]
+                )
                 print(f"# run {run} {name}: {got}", file=sys.stderr, flush=True)
 
     stem = "driver_memory_quick" if args.quick else "driver_memory"  # a smoke run leaves the full run's files alone
@@ -168,9 +198,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespace) -> str:
-    lines = [f"driver during raympi.fit(Net(), dataset, workers={WORLD}, max_steps={STEPS}, batch_size={BATCH}); "
-             f"{args.runs} run(s) interleaved, medians (min-max); lazy = generated from the index, nothing stored",
-             f"{'dataset':28} | {'samples':>10} | {'peak RSS growth MB':>22} | {'RSS kept MB':>20} | {'fit() to step 1 s':>20}"]
+    lines = [
+        f"driver during raympi.fit(Net(), dataset, workers={WORLD}, max_steps={STEPS}, batch_size={BATCH}); "
+        f"{args.runs} run(s) interleaved, medians (min-max); lazy = generated from the index, nothing stored",
+        f"{'dataset':28} | {'samples':>10} | {'peak RSS growth MB':>22} | {'RSS kept MB':>20} | {'fit() to step 1 s':>20}",
+    ]
     lines.append("-" * len(lines[-1]))
     by_name: dict[str, dict[str, list[float]]] = {}
     for name in names:
@@ -178,17 +210,24 @@ def _table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespac
         by_name[name] = {k: [r[k] for r in mine] for k in ("rss_growth_mb", "rss_kept_mb", "start_s")}
         label = f"in-memory {name}" if name == CONTROL else f"lazy, {name} nominal"
         n = next(r["samples"] for r in rows if r["case"] == name)
-        lines.append(f"{label:28} | {n:>10,} | {median_range(by_name[name]['rss_growth_mb'], '6.1f'):>22} | "
-                     f"{median_range(by_name[name]['rss_kept_mb'], '5.1f'):>20} | {median_range(by_name[name]['start_s'], '5.2f'):>20}")
+        lines.append(
+            f"{label:28} | {n:>10,} | {median_range(by_name[name]['rss_growth_mb'], '6.1f'):>22} | "
+            f"{median_range(by_name[name]['rss_kept_mb'], '5.1f'):>20} | {median_range(by_name[name]['start_s'], '5.2f'):>20}"
+        )
     lazy = [n for n in names if n != CONTROL and by_name[n]["rss_growth_mb"]]
     if lazy:
         worst = max(statistics.median(by_name[n]["rss_growth_mb"]) for n in lazy)
-        lines += ["", "targets (medians of this run)",
-                  f"  peak RSS growth, largest over the lazy sizes: {worst:.1f} MB (target < 200 MB: {'met' if worst < 200 else 'not met'})"]
+        lines += [
+            "",
+            "targets (medians of this run)",
+            f"  peak RSS growth, largest over the lazy sizes: {worst:.1f} MB (target < 200 MB: {'met' if worst < 200 else 'not met'})",
+        ]
         if len(lazy) > 1:
             small, big = statistics.median(by_name[lazy[0]]["start_s"]), statistics.median(by_name[lazy[-1]]["start_s"])
-            lines.append(f"  start {lazy[-1]} / {lazy[0]}: {big:.2f} s / {small:.2f} s = {big / small:.2f}x "
-                         f"(target: not growing with size, i.e. within the run-to-run spread)")
+            lines.append(
+                f"  start {lazy[-1]} / {lazy[0]}: {big:.2f} s / {small:.2f} s = {big / small:.2f}x "
+                f"(target: not growing with size, i.e. within the run-to-run spread)"
+            )
     return "\n".join(lines)
 
 

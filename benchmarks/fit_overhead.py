@@ -55,8 +55,16 @@ def _dataset(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _options(tmp: str, **extra) -> dict:
-    return dict(epochs=1, batch_size=PER_WORKER * WORLD, optimizer=raympi.optim.sgd(LR), progress=False, seed=SEED,
-                torch_threads=1, checkpoint_dir=tempfile.mkdtemp(dir=tmp), **extra)
+    return dict(
+        epochs=1,
+        batch_size=PER_WORKER * WORLD,
+        optimizer=raympi.optim.sgd(LR),
+        progress=False,
+        seed=SEED,
+        torch_threads=1,
+        checkpoint_dir=tempfile.mkdtemp(dir=tmp),
+        **extra,
+    )
 
 
 def workers_only(name: str, steps: int, warmup: int, tmp: str) -> dict:
@@ -64,8 +72,14 @@ def workers_only(name: str, steps: int, warmup: int, tmp: str) -> dict:
     x, y = _dataset(steps)
     cfg = parse_config(workers=WORLD, **_options(tmp, checkpoint_every=0))
     refs = (ray.put(x.numpy()), ray.put(y.numpy()))
-    spec = WorkerSpec(model=_model(name), loss_fn=F.cross_entropy, optimizer=cfg.optimizer, train=refs,
-                      device="cpu", torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))))
+    spec = WorkerSpec(
+        model=_model(name),
+        loss_fn=F.cross_entropy,
+        optimizer=cfg.optimizer,
+        train=refs,
+        device="cpu",
+        torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
+    )
     group = WorkerGroup(cfg, WORLD, spec, None)
     try:
         sampler = data.Sampler(SEED, cfg.batch_size, len(x), WORLD)
@@ -102,9 +116,11 @@ def main() -> None:
         args.runs, args.steps, args.warmup, args.models = 1, 25, 5, "cnn"
     torch.set_num_threads(1)
     start_local_ray(WORLD, log_to_driver=False)
-    modes = {"workers only": lambda n, t: workers_only(n, args.steps, args.warmup, t),
-             "fit": lambda n, t: run_fit(n, args.steps, args.warmup, t, 0),
-             "fit + ckpt/20": lambda n, t: run_fit(n, args.steps, args.warmup, t, 20)}
+    modes = {
+        "workers only": lambda n, t: workers_only(n, args.steps, args.warmup, t),
+        "fit": lambda n, t: run_fit(n, args.steps, args.warmup, t, 0),
+        "fit + ckpt/20": lambda n, t: run_fit(n, args.steps, args.warmup, t, 20),
+    }
     rows: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
@@ -114,8 +130,10 @@ def main() -> None:
                     rows.setdefault((name, mode), []).append(r)
                     print(f"# run {run} {name} {mode}: {r['ms']:.2f} ms/step", flush=True)
     ray.shutdown()
-    print(f"\nms/step at {WORLD} workers, batch {PER_WORKER}/worker, SGD; {args.runs} run(s) interleaved; "
-          f"ratio = median / workers-only median")
+    print(
+        f"\nms/step at {WORLD} workers, batch {PER_WORKER}/worker, SGD; {args.runs} run(s) interleaved; "
+        f"ratio = median / workers-only median"
+    )
     print(f"{'model':<6}| {'mode':<14}| {'min':>7} | {'median':>7} | {'max':>7} | {'ratio':>6} | {'launch s':>8}")
     for name in args.models.split(","):
         base = statistics.median(r["ms"] for r in rows[(name, "workers only")])
@@ -123,8 +141,10 @@ def main() -> None:
             ms = [r["ms"] for r in rows[(name, mode)]]
             launch = [r["launch_s"] for r in rows[(name, mode)] if "launch_s" in r]
             launch_s = f"{statistics.median(launch):8.2f}" if launch else f"{'':8}"
-            print(f"{name:<6}| {mode:<14}| {min(ms):7.2f} | {statistics.median(ms):7.2f} | {max(ms):7.2f} | "
-                  f"{statistics.median(ms) / base:6.3f} | {launch_s}")
+            print(
+                f"{name:<6}| {mode:<14}| {min(ms):7.2f} | {statistics.median(ms):7.2f} | {max(ms):7.2f} | "
+                f"{statistics.median(ms) / base:6.3f} | {launch_s}"
+            )
 
 
 if __name__ == "__main__":

@@ -70,9 +70,14 @@ SLIM_REMOVE = (
 # but DejaVu Sans (regular and bold, the default) and LastResortHE (its fallback) (9.4 -> 4.7 MB); pillow: the AVIF plugin and its library (2.3 MB).
 SLIM_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # wheel name -> (remove, but keep)
     "ray": (SLIM_REMOVE, ()),
-    "matplotlib": (("matplotlib/tests/", "matplotlib/mpl-data/sample_data/", "matplotlib/mpl-data/fonts/"),
-                   ("matplotlib/mpl-data/fonts/ttf/DejaVuSans.ttf", "matplotlib/mpl-data/fonts/ttf/DejaVuSans-Bold.ttf",
-                    "matplotlib/mpl-data/fonts/ttf/LastResortHE-Regular.ttf")),
+    "matplotlib": (
+        ("matplotlib/tests/", "matplotlib/mpl-data/sample_data/", "matplotlib/mpl-data/fonts/"),
+        (
+            "matplotlib/mpl-data/fonts/ttf/DejaVuSans.ttf",
+            "matplotlib/mpl-data/fonts/ttf/DejaVuSans-Bold.ttf",
+            "matplotlib/mpl-data/fonts/ttf/LastResortHE-Regular.ttf",
+        ),
+    ),
     "pillow": (("PIL/_avif.", "pillow.libs/libavif-"), ()),
     # matplotlib imports fontTools (dviread); its compiled modules are optional speed-ups of the .py
     # files shipped beside them (5.4 -> 2.1 MB).  "*x": a name ending in x.
@@ -124,7 +129,9 @@ def _strip(data: bytes) -> bytes:
         return dst.read_bytes()
 
 
-def slim_wheel(path: Path, out: Path | None = None, compresslevel: int = 9, strip: bool | None = None) -> tuple[int, int]:
+def slim_wheel(
+    path: Path, out: Path | None = None, compresslevel: int = 9, strip: bool | None = None
+) -> tuple[int, int]:
     """Rewrite the wheel ``path`` (in place, or to ``out``) without what :data:`SLIM_RULES` removes
     for its project (Ray: :data:`SLIM_REMOVE`).
 
@@ -191,10 +198,23 @@ def slim_wheel(path: Path, out: Path | None = None, compresslevel: int = 9, stri
 # --------------------------------------------------------------------------- downloading
 
 
-def _pip_download(dest: Path, python_version: str, specs: list[str], *, no_deps: bool = False,
-                  constraints: Path | None = None) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:",
-           "--python-version", python_version, "--implementation", "cp", "-d", str(dest)]
+def _pip_download(
+    dest: Path, python_version: str, specs: list[str], *, no_deps: bool = False, constraints: Path | None = None
+) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        "-d",
+        str(dest),
+    ]
     for plat in PLATFORMS:
         cmd += ["--platform", plat]
     if no_deps:
@@ -231,9 +251,17 @@ def core_requirements(wheel: Path, python_version: str) -> list[str]:
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if _dist_info(n, "METADATA"))
         text = z.read(meta).decode()
-    env = {**default_environment(), "python_version": python_version, "python_full_version": python_version + ".0",
-           "implementation_name": "cpython", "platform_python_implementation": "CPython",
-           "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    env = {
+        **default_environment(),
+        "python_version": python_version,
+        "python_full_version": python_version + ".0",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "extra": "",
+    }
     reqs = []
     for line in text.splitlines():
         if not line.startswith("Requires-Dist:"):
@@ -260,15 +288,18 @@ FALLBACKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mpi4py", ("mpi4py>=4",)),
     # raympi.fit writes its loss plot (raympi/driver/report.py): matplotlib with what it imports at
     # ``import matplotlib.pyplot`` + Agg PNG (fontTools too: matplotlib.dviread imports it).
-    ("matplotlib", ("matplotlib>=3.7", "contourpy", "kiwisolver", "cycler", "pyparsing", "python-dateutil", "six",
-                    "fonttools")),
+    (
+        "matplotlib",
+        ("matplotlib>=3.7", "contourpy", "kiwisolver", "cycler", "pyparsing", "python-dateutil", "six", "fonttools"),
+    ),
     ("pillow", ("pillow",)),  # matplotlib's images, torchvision's transforms
     ("torchvision", ()),  # the series of --torch (the ResNet-18 stage)
 )
 
 
-def build(dest: Path, python_version: str, torch_version: str | None, fallbacks: bool = True,
-          limit: int | None = None) -> dict:
+def build(
+    dest: Path, python_version: str, torch_version: str | None, fallbacks: bool = True, limit: int | None = None
+) -> dict:
     """Download and slim into ``dest``; returns the summary written to ``dest/carry.json``.
 
     ``limit``: bytes the carry may take; fallback groups that do not fit are dropped, last first.
@@ -281,8 +312,9 @@ def build(dest: Path, python_version: str, torch_version: str | None, fallbacks:
         d.mkdir(parents=True)
     pins = installed_versions()
     constraints = dest / "constraints.txt"
-    constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())
-                                   if n not in ("raympi", "ray", "torch", "torchvision")))
+    constraints.write_text(
+        "".join(f"{n}=={v}\n" for n, v in sorted(pins.items()) if n not in ("raympi", "ray", "torch", "torchvision"))
+    )
     t0 = time.monotonic()
     _pip_download(wheels, python_version, [f"ray=={ray_version}"], no_deps=True)
     (ray_wheel,) = wheels.glob("ray-*.whl")
@@ -298,8 +330,13 @@ def build(dest: Path, python_version: str, torch_version: str | None, fallbacks:
             tmp = dest / f".fallback-{group}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            _pip_download(tmp, python_version, list(specs), no_deps=True,
-                          constraints=None if group == "torchvision" else constraints)
+            _pip_download(
+                tmp,
+                python_version,
+                list(specs),
+                no_deps=True,
+                constraints=None if group == "torchvision" else constraints,
+            )
             groups[group] = []
             for whl in tmp.glob("*.whl"):
                 os.replace(whl, fallback / whl.name)
@@ -322,15 +359,22 @@ def build(dest: Path, python_version: str, torch_version: str | None, fallbacks:
                 whl.unlink()
             dropped.append(group)
     summary = {
-        "python_version": python_version, "ray": ray_version, "ray_core_requirements": reqs,
-        "ray_wheel": {"name": ray_wheel.name, "before": slimmed[ray_wheel.name][0], "after": slimmed[ray_wheel.name][1],
-                      "removed": list(SLIM_REMOVE)},
+        "python_version": python_version,
+        "ray": ray_version,
+        "ray_core_requirements": reqs,
+        "ray_wheel": {
+            "name": ray_wheel.name,
+            "before": slimmed[ray_wheel.name][0],
+            "after": slimmed[ray_wheel.name][1],
+            "removed": list(SLIM_REMOVE),
+        },
         "slimmed": {name: {"before": b, "after": a} for name, (b, a) in slimmed.items()},
         "wheels": {p.name: p.stat().st_size for p in sorted(wheels.glob("*.whl"))},
         "fallback": {p.name: p.stat().st_size for p in sorted(fallback.glob("*.whl"))},
         "fallback_groups": {g: sorted(p.name for p in ps) for g, ps in groups.items()},
         "fallback_dropped_for_size": dropped,
-        "download_s": round(download_s, 1), "slim_s": round(slim_s, 1),
+        "download_s": round(download_s, 1),
+        "slim_s": round(slim_s, 1),
     }
     (dest / SUMMARY_NAME).write_text(json.dumps(summary, indent=1))
     return summary
@@ -341,8 +385,12 @@ def build(dest: Path, python_version: str, torch_version: str | None, fallbacks:
 
 def tree_bytes(root: Path = ROOT) -> int:
     """Bytes of the working tree that travels: tracked files plus untracked ones git does not ignore."""
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                           capture_output=True, check=True).stdout.split(b"\0")
+    names = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
     total = 0
     for name in {n for n in names if n}:
         p = root / os.fsdecode(name)
@@ -375,10 +423,14 @@ def report(dest: Path, summary: dict) -> tuple[int, int]:
         print(f"fallbacks left out (over the limit): {', '.join(summary['fallback_dropped_for_size'])}")
     total, tree = dir_bytes(dest), tree_bytes()
     limit = carry_limit(tree)
-    rows = (("wheels/ total", sum(summary["wheels"].values())), ("fallback/ total", sum(summary["fallback"].values())),
-            (f"carry total ({dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest})", total),
-            ("working tree (tracked + untracked, not ignored)", tree), ("limit: 64 MiB - tree - 2 MiB margin", limit),
-            ("travels in all (tree + carry)", total + tree))
+    rows = (
+        ("wheels/ total", sum(summary["wheels"].values())),
+        ("fallback/ total", sum(summary["fallback"].values())),
+        (f"carry total ({dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest})", total),
+        ("working tree (tracked + untracked, not ignored)", tree),
+        ("limit: 64 MiB - tree - 2 MiB margin", limit),
+        ("travels in all (tree + carry)", total + tree),
+    )
     for label, size in rows:
         print(f"{label:<72} {_mib(size)}")
     return total, limit
@@ -388,13 +440,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dest", type=Path, default=DEFAULT_DEST)
     ap.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default 3.12)")
-    ap.add_argument("--torch", default="2.11", help="the GPU machine's torch, for the fallback torchvision ('' for none)")
+    ap.add_argument(
+        "--torch", default="2.11", help="the GPU machine's torch, for the fallback torchvision ('' for none)"
+    )
     ap.add_argument("--no-fallbacks", action="store_true", help="no fallback/ wheels (see FALLBACKS)")
     args = ap.parse_args(argv)
     dest = args.dest.resolve()
     dest.mkdir(parents=True, exist_ok=True)
-    summary = build(dest, args.python_version, args.torch or None, fallbacks=not args.no_fallbacks,
-                    limit=carry_limit(tree_bytes()))
+    summary = build(
+        dest, args.python_version, args.torch or None, fallbacks=not args.no_fallbacks, limit=carry_limit(tree_bytes())
+    )
     print(f"downloaded in {summary['download_s']} s, slimmed in {summary['slim_s']} s")
     total, limit = report(dest, summary)
     if total > limit:

@@ -78,8 +78,10 @@ class StageTimeout(BaseException):
 @contextlib.contextmanager
 def _limit(seconds: float):
     """Raise :class:`StageTimeout` after ``seconds``; nests (an outer limit still holds after an inner one)."""
+
     def alarm(*_: Any) -> None:
         raise StageTimeout(f"over its {seconds:.0f} s limit")
+
     outer = signal.alarm(0)  # seconds left of an enclosing limit (0: none)
     previous = signal.signal(signal.SIGALRM, alarm)
     began = time.monotonic()
@@ -110,7 +112,9 @@ def _shared_gpu():
             out["GPU"] = out.get("GPU") or 1.0
         return out
 
-    mods = [m for name, m in list(sys.modules.items()) if name.startswith("raympi.driver") and hasattr(m, "worker_bundle")]
+    mods = [
+        m for name, m in list(sys.modules.items()) if name.startswith("raympi.driver") and hasattr(m, "worker_bundle")
+    ]
     saved = [m.worker_bundle for m in mods]
     for m in mods:
         m.worker_bundle = bundle
@@ -126,9 +130,17 @@ def _shared_gpu():
 
 def stage_env(cfg: argparse.Namespace) -> dict[str, Any]:
     from raympi.comm import library
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
-           "mpi": library.library_version(), "cpus": os.cpu_count(), "mode": "gpu" if cfg.gpu else "cpu"}
+
+    out = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": torch.cuda.device_count(),
+        "mpi": library.library_version(),
+        "cpus": os.cpu_count(),
+        "mode": "gpu" if cfg.gpu else "cpu",
+    }
     from raympi.__main__ import transports
+
     out.update({f"transport {k}": v for k, v in transports().items()})
     if cfg.gpu:
         out["gpu"] = torch.cuda.get_device_name(0)
@@ -139,9 +151,20 @@ def stage_env(cfg: argparse.Namespace) -> dict[str, Any]:
 def _fit(model: nn.Module, data: Any, gpu: bool, workers: int, share: bool, **options: Any) -> Any:
     """One ``raympi.fit`` on the running Ray; ``share``: the workers split GPU 0."""
     res = {"CPU": 1.0, **({"GPU": 1.0 / workers} if gpu and share else {})}
-    with tempfile.TemporaryDirectory() as ckpt, (_shared_gpu() if share else contextlib.nullcontext()):
-        return raympi.fit(model, data, workers=workers, use_gpu=gpu, resources_per_worker=res, progress=False,
-                          checkpoint_dir=ckpt, startup_timeout_s=60, step_timeout_s=60, spares=0, **options)
+    with tempfile.TemporaryDirectory() as ckpt, _shared_gpu() if share else contextlib.nullcontext():
+        return raympi.fit(
+            model,
+            data,
+            workers=workers,
+            use_gpu=gpu,
+            resources_per_worker=res,
+            progress=False,
+            checkpoint_dir=ckpt,
+            startup_timeout_s=60,
+            step_timeout_s=60,
+            spares=0,
+            **options,
+        )
 
 
 def stage_parity(cfg: argparse.Namespace) -> dict[str, Any]:
@@ -157,15 +180,31 @@ def stage_parity(cfg: argparse.Namespace) -> dict[str, Any]:
     refs = {w: _fit(mlp(), data, False, w, False, overlap=False, grad_transport="mpi", **opts) for w in (1, 2)}
     rows = []
     cases = [("1 worker (auto: no sync in a world of one)", 1, False, None, "auto")]
-    cases += [(f"2 workers, one GPU, {t}, overlap {'on' if o else 'off'}", 2, True, o, t) for t in ("mpi", "gloo") for o in (False, True)]
+    cases += [
+        (f"2 workers, one GPU, {t}, overlap {'on' if o else 'off'}", 2, True, o, t)
+        for t in ("mpi", "gloo")
+        for o in (False, True)
+    ]
     for label, workers, share, overlap, transport in cases:
         ref = refs[workers]
         # --cpu: the "device" run is a CPU run with overlap on, through the same code
-        run = _fit(mlp(), data, cfg.gpu, workers, share, overlap=overlap if cfg.gpu else True, grad_transport=transport, **opts)
+        run = _fit(
+            mlp(), data, cfg.gpu, workers, share, overlap=overlap if cfg.gpu else True, grad_transport=transport, **opts
+        )
         diff = max((run.state.params[k] - ref.state.params[k]).abs().max().item() for k in ref.state.params)
-        ok = all(torch.allclose(run.state.params[k], ref.state.params[k], rtol=1e-4, atol=1e-5) for k in ref.state.params)
-        rows.append({"case": label, "steps": len(run.metrics), "max_abs_diff": diff, "loss": run.metrics[-1]["loss"],
-                     "cpu_loss": ref.metrics[-1]["loss"], "match": ok})
+        ok = all(
+            torch.allclose(run.state.params[k], ref.state.params[k], rtol=1e-4, atol=1e-5) for k in ref.state.params
+        )
+        rows.append(
+            {
+                "case": label,
+                "steps": len(run.metrics),
+                "max_abs_diff": diff,
+                "loss": run.metrics[-1]["loss"],
+                "cpu_loss": ref.metrics[-1]["loss"],
+                "match": ok,
+            }
+        )
     return {"rows": rows, "tolerance": "rtol 1e-4, atol 1e-5", "all_match": all(r["match"] for r in rows)}
 
 
@@ -188,7 +227,9 @@ class Rank(comm.Member):
         rows = []
         for dtype, fp32_reduce in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
             torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+            model = nn.Sequential(
+                nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+            )
             model = model.to(device, dtype)
             opt = raympi.optim.sgd(0.05, momentum=0.9)
             loss_fn = lambda out, t: F.cross_entropy(out.float(), t)  # noqa: E731
@@ -208,12 +249,26 @@ class Rank(comm.Member):
                     if i >= 5:
                         times.append((time.perf_counter() - t0) * 1e3)
                 results[name] = (state, statistics.median(times))
-            diff = max(max((results[n][0].params[k].float() - results["none"][0].params[k].float()).abs().max().item()
-                           for k in results["none"][0].params) for n in ("tree", "buckets"))
+            diff = max(
+                max(
+                    (results[n][0].params[k].float() - results["none"][0].params[k].float()).abs().max().item()
+                    for k in results["none"][0].params
+                )
+                for n in ("tree", "buckets")
+            )
             sync.close()
-            rows.append({"params": str(dtype).removeprefix("torch."), "fp32_reduce": fp32_reduce, "backend": backend,
-                         "ms_no_sync": results["none"][1], "ms_tree": results["tree"][1], "ms_buckets": results["buckets"][1],
-                         "max_abs_diff_vs_no_sync": diff, "match": diff == 0.0})
+            rows.append(
+                {
+                    "params": str(dtype).removeprefix("torch."),
+                    "fp32_reduce": fp32_reduce,
+                    "backend": backend,
+                    "ms_no_sync": results["none"][1],
+                    "ms_tree": results["tree"][1],
+                    "ms_buckets": results["buckets"][1],
+                    "max_abs_diff_vs_no_sync": diff,
+                    "match": diff == 0.0,
+                }
+            )
         return {"rows": rows, "all_match": all(r["match"] for r in rows)}
 
     def sync_times(self, transport: str, sizes: list[int], reps: int, gpu: bool) -> dict[str, float]:
@@ -226,8 +281,10 @@ class Rank(comm.Member):
         self.comm.bucket_bytes = 25 * 2**20
         out: dict[str, float] = {}
         for nbytes in sizes:
-            grads = {f"p{i}": torch.ones(min(25 * 2**20, nbytes - i * 25 * 2**20) // 4, device=device)
-                     for i in range(-(-nbytes // (25 * 2**20)))}
+            grads = {
+                f"p{i}": torch.ones(min(25 * 2**20, nbytes - i * 25 * 2**20) // 4, device=device)
+                for i in range(-(-nbytes // (25 * 2**20)))
+            }
             flats = list(grads.values())
             if transport == "mpi":
                 paths = {"tree": lambda: self.comm.allreduce_(grads)}
@@ -235,7 +292,10 @@ class Rank(comm.Member):
                 paths["buckets"] = lambda: ([buckets.start(f) for f in flats], buckets.finish())
             else:
                 sync = process_group.connect(self.comm, transport, "127.0.0.1", 120)
-                paths = {"tree": lambda: sync(grads), "buckets": lambda: ([sync.start(f) for f in flats], sync.finish())}
+                paths = {
+                    "tree": lambda: sync(grads),
+                    "buckets": lambda: ([sync.start(f) for f in flats], sync.finish()),
+                }
             for name, fn in paths.items():
                 times = []
                 for r in range(reps + 1):
@@ -308,8 +368,11 @@ class _Block(nn.Module):
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
         self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
-        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                     if stride != 1 or cin != cout else nn.Identity())
+        self.down = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -319,7 +382,9 @@ class _Block(nn.Module):
 class _ResNet18(nn.Module):
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
         widths, layers, cin = (64, 128, 256, 512), [], 64
         for i, w in enumerate(widths):
             layers += [_Block(cin, w, 1 if i == 0 else 2), _Block(w, w, 1)]
@@ -339,7 +404,7 @@ def _plain_loop(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, device
     times = []
     for i in range(steps + 5):
         lo = (i * batch) % (len(x) - batch + 1)
-        xb, yb = x[lo: lo + batch], y[lo: lo + batch]
+        xb, yb = x[lo : lo + batch], y[lo : lo + batch]
         sync()
         start = time.perf_counter()
         if device.type == "cuda":
@@ -358,7 +423,9 @@ def _plain_loop(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, device
 
 def _fit_ms(result: Any, global_batch: int) -> float:
     rates = [m["samples_per_s"] for m in result.metrics]
-    chunks = [r for i, r in enumerate(rates) if i == 0 or r != rates[i - 1]][1:] or rates  # one rate per chunk, not the first
+    chunks = [r for i, r in enumerate(rates) if i == 0 or r != rates[i - 1]][
+        1:
+    ] or rates  # one rate per chunk, not the first
     return global_batch / statistics.median(chunks) * 1e3
 
 
@@ -367,27 +434,62 @@ def stage_resnet(cfg: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
     device = torch.device("cuda", 0) if cfg.gpu else torch.device("cpu")
-    opts = dict(max_steps=steps, precision="bf16", optimizer=raympi.optim.sgd(0.01, momentum=0.9),
-                torch_threads=2 if cfg.gpu else 1)
+    opts = dict(
+        max_steps=steps,
+        precision="bf16",
+        optimizer=raympi.optim.sgd(0.01, momentum=0.9),
+        torch_threads=2 if cfg.gpu else 1,
+    )
     rows: list[dict[str, Any]] = []
     plain = _plain_loop(x, y, batch, steps, device)
-    rows.append({"case": "plain torch loop, 1 device", "global_batch": batch, "ms_per_step": plain, "ms_per_sample": plain / batch})
+    rows.append(
+        {
+            "case": "plain torch loop, 1 device",
+            "global_batch": batch,
+            "ms_per_step": plain,
+            "ms_per_sample": plain / batch,
+        }
+    )
     gpus = max(1, torch.cuda.device_count()) if cfg.gpu else 1
-    for label, workers, share, overlap, transport in ((f"raympi.fit, {gpus} worker(s), one per GPU", gpus, False, None, "auto"),
-                                                      ("raympi.fit, 2 workers on GPU 0, mpi, overlap on", 2, True, True, "mpi"),
-                                                      ("raympi.fit, 2 workers on GPU 0, gloo, overlap on", 2, True, True, "gloo")):
+    for label, workers, share, overlap, transport in (
+        (f"raympi.fit, {gpus} worker(s), one per GPU", gpus, False, None, "auto"),
+        ("raympi.fit, 2 workers on GPU 0, mpi, overlap on", 2, True, True, "mpi"),
+        ("raympi.fit, 2 workers on GPU 0, gloo, overlap on", 2, True, True, "gloo"),
+    ):
         try:
             with _limit(45):
-                result = _fit(_resnet(), (x, y), cfg.gpu, workers, share, batch_size=batch * workers, overlap=overlap,
-                              epochs=steps * batch * workers // n + 1, grad_transport=transport, **opts)
+                result = _fit(
+                    _resnet(),
+                    (x, y),
+                    cfg.gpu,
+                    workers,
+                    share,
+                    batch_size=batch * workers,
+                    overlap=overlap,
+                    epochs=steps * batch * workers // n + 1,
+                    grad_transport=transport,
+                    **opts,
+                )
             ms = _fit_ms(result, batch * workers)
-            rows.append({"case": label, "global_batch": batch * workers, "ms_per_step": ms, "ms_per_sample": ms / (batch * workers),
-                         "vs_plain_per_sample": (ms / (batch * workers)) / (plain / batch), "final_loss": result.metrics[-1]["loss"]})
+            rows.append(
+                {
+                    "case": label,
+                    "global_batch": batch * workers,
+                    "ms_per_step": ms,
+                    "ms_per_sample": ms / (batch * workers),
+                    "vs_plain_per_sample": (ms / (batch * workers)) / (plain / batch),
+                    "final_loss": result.metrics[-1]["loss"],
+                }
+            )
         except (Exception, StageTimeout) as exc:
             rows.append({"case": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
     one = rows[1].get("vs_plain_per_sample")
-    return {"rows": rows, "image": f"3x{size}x{size}", "overhead_1_worker": one,
-            "target_met": None if one is None else one <= 1.05}
+    return {
+        "rows": rows,
+        "image": f"3x{size}x{size}",
+        "overhead_1_worker": one,
+        "target_met": None if one is None else one <= 1.05,
+    }
 
 
 # --------------------------------------------------------------------------- report
@@ -428,7 +530,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["ray_start_s"] = time.monotonic() - t0
     except Exception as exc:
         report["ray_start_error"] = f"{type(exc).__name__}: {exc}"
-    stages = {"env": stage_env, "parity": stage_parity, "nccl1": stage_nccl1, "resnet": stage_resnet, "sync": stage_sync}
+    stages = {
+        "env": stage_env,
+        "parity": stage_parity,
+        "nccl1": stage_nccl1,
+        "resnet": stage_resnet,
+        "sync": stage_sync,
+    }
     for name in cfg.stages.split(","):
         left = BUDGET_S - (time.monotonic() - began)
         entry: dict[str, Any] = {}

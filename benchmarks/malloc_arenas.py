@@ -34,8 +34,10 @@ from raympi.driver.group import CPU_MALLOC_ENV
 from _common import mlp, start_local_ray
 
 # fit's malloc settings for CPU workers, with and without its one arena
-SETTINGS = {"glibc default": {k: v for k, v in CPU_MALLOC_ENV.items() if k != "MALLOC_ARENA_MAX"},
-            "MALLOC_ARENA_MAX=1": CPU_MALLOC_ENV}
+SETTINGS = {
+    "glibc default": {k: v for k, v in CPU_MALLOC_ENV.items() if k != "MALLOC_ARENA_MAX"},
+    "MALLOC_ARENA_MAX=1": CPU_MALLOC_ENV,
+}
 
 
 def _minor_faults() -> int:
@@ -69,7 +71,11 @@ class Rank(comm.Member):
             state, _ = step(state, (x[idx], y[idx]), 64)
             step_ms.append((time.perf_counter() - start) * 1e3)
             faults.append(_minor_faults() - f0)
-        return (statistics.median(step_ms[warmup:]), statistics.median(sync_ms[warmup:]), statistics.median(faults[warmup:]))
+        return (
+            statistics.median(step_ms[warmup:]),
+            statistics.median(sync_ms[warmup:]),
+            statistics.median(faults[warmup:]),
+        )
 
 
 def run(setting: str, steps: int) -> tuple[float, float, float]:
@@ -95,7 +101,7 @@ def main() -> None:
     start_local_ray(2, log_to_driver=False)
     rows = []
     for i in range(runs):
-        for setting in (SETTINGS if i % 2 == 0 else reversed(list(SETTINGS))):
+        for setting in SETTINGS if i % 2 == 0 else reversed(list(SETTINGS)):
             ms, ar, faults = run(setting, steps)
             print(f"# run {i} {setting}: {ms:.2f} ms/step, allreduce {ar:.2f} ms, {faults:.1f} faults/step", flush=True)
             rows.append((setting, i, ms, ar, faults))
@@ -107,8 +113,10 @@ def main() -> None:
         print(f"{setting:<20} | {i:>3} | {ms:>8.2f} | {ar:>12.2f} | {faults:>16.1f}")
     for setting in SETTINGS:
         mine = [r for r in rows if r[0] == setting]
-        print(f"  {setting}: median {statistics.median(r[2] for r in mine):.2f} ms/step, "
-              f"allreduce {statistics.median(r[3] for r in mine):.2f} ms, {statistics.median(r[4] for r in mine):.1f} faults/step")
+        print(
+            f"  {setting}: median {statistics.median(r[2] for r in mine):.2f} ms/step, "
+            f"allreduce {statistics.median(r[3] for r in mine):.2f} ms, {statistics.median(r[4] for r in mine):.1f} faults/step"
+        )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ import time
 from _common import ROOT, pickle_by_value, slowest_median, start_local_ray, time_reps
 
 
-def measure(address: str, ranks: list[int], sizes_mb: list[float], reps: int, netmods: list[str], spread: bool) -> list[dict]:
+def measure(
+    address: str, ranks: list[int], sizes_mb: list[float], reps: int, netmods: list[str], spread: bool
+) -> list[dict]:
     """Form communicators and time allreduce on the Ray cluster at ``address`` (run where a driver may run)."""
     import ray
     import torch
@@ -45,9 +47,16 @@ def measure(address: str, ranks: list[int], sizes_mb: list[float], reps: int, ne
         for n in ranks:
             pg = placement_group([{"CPU": 1}] * n, strategy="STRICT_SPREAD" if spread else "PACK")
             ray.get(pg.ready(), timeout=60)
-            actors = [ray.remote(Bench).options(num_cpus=1, runtime_env={"env_vars": env},
-                                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
-                      for i in range(n)]
+            actors = [
+                ray.remote(Bench)
+                .options(
+                    num_cpus=1,
+                    runtime_env={"env_vars": env},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                )
+                .remote()
+                for i in range(n)
+            ]
             ray.get([a.__ray_ready__.remote() for a in actors], timeout=60)
             start = time.perf_counter()
             comm.form(actors, timeout_s=60)
@@ -56,9 +65,17 @@ def measure(address: str, ranks: list[int], sizes_mb: list[float], reps: int, ne
                 nbytes = int(mb * 2**20)
                 per_rank = ray.get([a.time_allreduce.remote(nbytes, reps) for a in actors], timeout=300)
                 t = slowest_median(per_rank)
-                rows.append({"where": "3 hosts (veth)" if spread else "1 host", "netmod": netmod, "ranks": n,
-                             "form_s": formed, "MB": mb, "allreduce_ms": 1e3 * t,
-                             "bus_MBps": 2 * (n - 1) / n * mb / t})  # ring all-reduce bus bandwidth
+                rows.append(
+                    {
+                        "where": "3 hosts (veth)" if spread else "1 host",
+                        "netmod": netmod,
+                        "ranks": n,
+                        "form_s": formed,
+                        "MB": mb,
+                        "allreduce_ms": 1e3 * t,
+                        "bus_MBps": 2 * (n - 1) / n * mb / t,
+                    }
+                )  # ring all-reduce bus bandwidth
             for a in actors:
                 ray.kill(a)
             remove_placement_group(pg)
@@ -99,7 +116,9 @@ def main() -> None:
 
     print(f"{'where':<16}{'netmod':<8}{'ranks':>6}{'form s':>9}{'MB':>6}{'allreduce ms':>14}{'bus MB/s':>10}")
     for r in rows:
-        print(f"{r['where']:<16}{r['netmod']:<8}{r['ranks']:>6}{r['form_s']:>9.3f}{r['MB']:>6g}{r['allreduce_ms']:>14.2f}{r['bus_MBps']:>10.0f}")
+        print(
+            f"{r['where']:<16}{r['netmod']:<8}{r['ranks']:>6}{r['form_s']:>9.3f}{r['MB']:>6g}{r['allreduce_ms']:>14.2f}{r['bus_MBps']:>10.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -77,24 +77,44 @@ class Rank(comm.Member):
                 out.setdefault(mode, []).append(statistics.median(times) * 1e3)
         return {mode: statistics.median(v) for mode, v in out.items()}
 
-    def steps(self, model_name: str, threads: int, bucket_bytes: int, batch: int, steps: int, rounds: int) -> dict[str, float]:
+    def steps(
+        self, model_name: str, threads: int, bucket_bytes: int, batch: int, steps: int, rounds: int
+    ) -> dict[str, float]:
         """ms per train_step of each of STEP_MODES, interleaved; also checks they end with equal parameters."""
         torch.set_num_threads(threads)
         self.comm.bucket_bytes = bucket_bytes
         opt = raympi.optim.sgd(0.01, momentum=0.9)
         model = _models()[model_name]()
-        syncs = {"overlap=False": self.comm.allreduce_, "overlap inline": BucketAllreduce(self.comm, thread=False),
-                 "overlap thread": BucketAllreduce(self.comm, thread=True)}
-        fns = {m: make_train_step(model, F.cross_entropy, opt, grad_sync=syncs[m], rank=self.comm.rank, donate=True,
-                                  overlap=m != "overlap=False") for m in STEP_MODES}
+        syncs = {
+            "overlap=False": self.comm.allreduce_,
+            "overlap inline": BucketAllreduce(self.comm, thread=False),
+            "overlap thread": BucketAllreduce(self.comm, thread=True),
+        }
+        fns = {
+            m: make_train_step(
+                model,
+                F.cross_entropy,
+                opt,
+                grad_sync=syncs[m],
+                rank=self.comm.rank,
+                donate=True,
+                overlap=m != "overlap=False",
+            )
+            for m in STEP_MODES
+        }
         fresh = TrainState.create(model, opt)
-        states = {m: raympi.core.pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, fresh) for m in STEP_MODES}
+        states = {
+            m: raympi.core.pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, fresh)
+            for m in STEP_MODES
+        }
         g = torch.Generator().manual_seed(self.comm.rank)
         shape = (3, 32, 32) if model_name.startswith("resnet") else (1, 28, 28)
-        data = [(torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(4)]
+        data = [
+            (torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(4)
+        ]
         times: dict[str, list[float]] = {m: [] for m in STEP_MODES}
         for r in range(rounds + 1):  # round 0 warms up
-            order = STEP_MODES[r % 3:] + STEP_MODES[: r % 3]
+            order = STEP_MODES[r % 3 :] + STEP_MODES[: r % 3]
             for mode in order:
                 per = []
                 for i in range(steps):
@@ -112,35 +132,56 @@ class Rank(comm.Member):
 def _models() -> dict:
     def resnet18() -> nn.Module:
         import torchvision
+
         return torchvision.models.resnet18(num_classes=10)
-    return {"mlp 784-2048-2048-10 (5.8M)": mlp, "cnn examples/mnist.py (108k)": mnist_example().Net, "resnet18 3x32x32 (11.2M)": resnet18}
+
+    return {
+        "mlp 784-2048-2048-10 (5.8M)": mlp,
+        "cnn examples/mnist.py (108k)": mnist_example().Net,
+        "resnet18 3x32x32 (11.2M)": resnet18,
+    }
 
 
 def _step_table(ranks: list, args: argparse.Namespace) -> None:
     steps, rounds = (3, 2) if args.quick else (5, args.rounds)
-    print(f"\n2 ranks, UCX, {args.threads} torch thread(s) each, batch {args.batch} per rank, bucket {args.bucket_mb} MiB, "
-          f"median ms/step of rank 0 ({rounds} rounds x {steps} steps, interleaved)")
-    print(f"{'model':<30} | " + " | ".join(f"{m:>14}" for m in STEP_MODES) + " | inline/off | thread/off | max |param diff|")
+    print(
+        f"\n2 ranks, UCX, {args.threads} torch thread(s) each, batch {args.batch} per rank, bucket {args.bucket_mb} MiB, "
+        f"median ms/step of rank 0 ({rounds} rounds x {steps} steps, interleaved)"
+    )
+    print(
+        f"{'model':<30} | "
+        + " | ".join(f"{m:>14}" for m in STEP_MODES)
+        + " | inline/off | thread/off | max |param diff|"
+    )
     for name in _models():
         if args.models and not any(name.startswith(m) for m in args.models.split(",")):
             continue
-        res = ray.get([r.steps.remote(name, args.threads, int(args.bucket_mb * 2**20), args.batch, steps, rounds) for r in ranks])[0]
+        res = ray.get(
+            [r.steps.remote(name, args.threads, int(args.bucket_mb * 2**20), args.batch, steps, rounds) for r in ranks]
+        )[0]
         off = res["overlap=False"]
-        print(f"{name:<30} | " + " | ".join(f"{res[m]:>14.2f}" for m in STEP_MODES)
-              + f" | {res['overlap inline'] / off:>10.2f} | {res['overlap thread'] / off:>10.2f} | {res['max |param diff|']:.1e}",
-              flush=True)
+        print(
+            f"{name:<30} | "
+            + " | ".join(f"{res[m]:>14.2f}" for m in STEP_MODES)
+            + f" | {res['overlap inline'] / off:>10.2f} | {res['overlap thread'] / off:>10.2f} | {res['max |param diff|']:.1e}",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--async-progress", action="store_true", help="MPIR_CVAR_ASYNC_PROGRESS=1 in the ranks")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--step", action="store_true", help="time the real train_step with overlap off / inline / thread")
+    parser.add_argument(
+        "--step", action="store_true", help="time the real train_step with overlap off / inline / thread"
+    )
     parser.add_argument("--threads", type=int, default=2, help="--step: torch threads per rank")
     parser.add_argument("--bucket-mb", type=float, default=16, help="--step: bucket_bytes in MiB")
     parser.add_argument("--rounds", type=int, default=8, help="--step: interleaved rounds of 5 steps per mode")
     parser.add_argument("--batch", type=int, default=32, help="--step: samples per rank")
-    parser.add_argument("--models", default="", help="--step: comma-separated name prefixes (mlp, cnn, resnet18); default all")
+    parser.add_argument(
+        "--models", default="", help="--step: comma-separated name prefixes (mlp, cnn, resnet18); default all"
+    )
     args = parser.parse_args()
     env = {"OMP_NUM_THREADS": "1", "MPIR_CVAR_CH4_NETMOD": "ucx"}
     if args.async_progress:

@@ -58,6 +58,7 @@ class Profiler(comm.Member):
         state = raympi.core.pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
         step_times, fb_times, raw_times, fwd_times = [], [], [], []
+
         def forward(params):  # the step's forward, building the autograd graph as the step does
             leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
             return F.cross_entropy(torch.func.functional_call(model, (leaves, state.buffers), (x,)), y), leaves
@@ -65,6 +66,7 @@ class Profiler(comm.Member):
         def grad_fn(params):  # the step's gradient: autograd.grad on detached leaves, as raympi.core.step does
             loss, leaves = forward(params)
             return torch.autograd.grad(loss, list(leaves.values()))
+
         flat = torch.zeros(sum(p.numel() for p in state.params.values()))
         for i in range(steps + 3):
             self.comm.barrier()
@@ -82,8 +84,14 @@ class Profiler(comm.Member):
             self.comm.allreduce_array_(flat.numpy())
             raw_times.append(time.perf_counter() - start)
         med = lambda xs: statistics.median(xs[3:]) * 1e3  # noqa: E731  first 3 are warm-up
-        return {"step": med(step_times), "fwd_bwd": med(fb_times), "fwd": med(fwd_times), "allreduce": med(sync_times), "raw": med(raw_times),
-                "params": flat.numel()}
+        return {
+            "step": med(step_times),
+            "fwd_bwd": med(fb_times),
+            "fwd": med(fwd_times),
+            "allreduce": med(sync_times),
+            "raw": med(raw_times),
+            "params": flat.numel(),
+        }
 
 
 def main() -> None:
@@ -92,17 +100,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     steps = 3 if args.quick else args.steps
-    start_local_ray(2, env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
-                            "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)})
+    start_local_ray(
+        2,
+        env={
+            "OMP_NUM_THREADS": "1",
+            "MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
+            "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+        },
+    )
     actors = [Profiler.remote() for _ in range(2)]
     comm.form(actors, timeout_s=60)
-    print(f"\n{'model':<24} {'params':>9} {'step':>8} {'forward':>8} {'backward':>8} {'allreduce':>10} {'raw MPI':>8} "
-          f"{'optim+rest':>10}  (ms, rank 0, 2 ranks)")
+    print(
+        f"\n{'model':<24} {'params':>9} {'step':>8} {'forward':>8} {'backward':>8} {'allreduce':>10} {'raw MPI':>8} "
+        f"{'optim+rest':>10}  (ms, rank 0, 2 ranks)"
+    )
     for name, make in list(models().items())[: 1 if args.quick else None]:
         r = ray.get([a.profile.remote(make, steps, 32) for a in actors])[0]
         rest = r["step"] - r["fwd_bwd"] - r["allreduce"]
-        print(f"{name:<24} {r['params']:>9,} {r['step']:8.2f} {r['fwd']:8.2f} {r['fwd_bwd'] - r['fwd']:8.2f} {r['allreduce']:10.2f} "
-              f"{r['raw']:8.2f} {rest:10.2f}")
+        print(
+            f"{name:<24} {r['params']:>9,} {r['step']:8.2f} {r['fwd']:8.2f} {r['fwd_bwd'] - r['fwd']:8.2f} {r['allreduce']:10.2f} "
+            f"{r['raw']:8.2f} {rest:10.2f}"
+        )
     ray.shutdown()
 
 

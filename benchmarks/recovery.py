@@ -124,7 +124,9 @@ def _ray_init(**kwargs: Any) -> None:
 def _raylet_pids(nodes: list[Any]) -> set[int]:
     from ray._private import ray_constants
 
-    return {info.process.pid for node in nodes for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])}
+    return {
+        info.process.pid for node in nodes for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+    }
 
 
 def _own_raylets() -> set[int]:
@@ -213,6 +215,7 @@ def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
     recovery = _recovery_module()
     saved = getattr(recovery, "warm", None)
     if path == "cold" and saved is not None:
+
         def declined(*args: Any, **kwargs: Any) -> Any:
             raise recovery.WarmSkipped("forced cold by the benchmark")
 
@@ -220,8 +223,17 @@ def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
         recovery.warm = declined
     try:
         return raympi.fit(
-            make_model(), make_data(n), workers=WORKERS, batch_size=BATCH, epochs=10**6, max_steps=steps,
-            checkpoint_every=CHECKPOINT_EVERY, checkpoint_dir=folder, progress=False, seed=SEED, torch_threads=1,
+            make_model(),
+            make_data(n),
+            workers=WORKERS,
+            batch_size=BATCH,
+            epochs=10**6,
+            max_steps=steps,
+            checkpoint_every=CHECKPOINT_EVERY,
+            checkpoint_dir=folder,
+            progress=False,
+            seed=SEED,
+            torch_threads=1,
             optimizer=raympi.optim.adam(1e-3),
         )
     finally:
@@ -235,25 +247,38 @@ def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[s
         raise RuntimeError("raympi did not restart: the failure landed after the run ended")
     notes = []
     if len(failures) > 1:
-        notes.append(f"{len(failures)} failures, not 1 ({'; '.join(r['cause'][:80] for r in failures[1:])}): excluded from the stats")
+        notes.append(
+            f"{len(failures)} failures, not 1 ({'; '.join(r['cause'][:80] for r in failures[1:])}): excluded from the stats"
+        )
     expected = path
     if failures[0].get("path", "cold") != expected:
         why = failures[0].get("warm_error") or failures[0].get("warm_skipped")
         notes.append(f"path {failures[0].get('path', 'cold')}, not {expected}" + (f" ({why[:120]})" if why else ""))
     for r in result.restarts:
         if r["kind"] == "degraded":  # the warm group ran far slower: replaced (checkpoint, fresh group)
-            notes.append(f"then {r['cause']}: a fresh group from step {r['restored_step']} took {r.get('recovery_s') or 0:.1f} s more")
+            notes.append(
+                f"then {r['cause']}: a fresh group from step {r['restored_step']} took {r.get('recovery_s') or 0:.1f} s more"
+            )
     note = "; ".join(notes)
     record = failures[0]
     after = [m for m in result.metrics if m["time"] > injected and m["step"] > record["restored_step"]]
     if not after:
         raise RuntimeError("no step completed after the failure")
     return {
-        "recovery_s": after[0]["time"] - injected, "reported_recovery_s": record.get("recovery_s"),
-        "steps_lost": record["steps_lost"], "restored_step": record["restored_step"], "kind": record["kind"],
-        "world_before": record["world_before"], "world_after": record["world_after"], "restarts": len(failures),
-        "path": record.get("path", "cold"), "note": note, "spare": record.get("spare"),
-        "detect_s": record["time"] - injected, "reform_s": record.get("reform_s"), "first_step_s": record.get("first_step_s"),
+        "recovery_s": after[0]["time"] - injected,
+        "reported_recovery_s": record.get("recovery_s"),
+        "steps_lost": record["steps_lost"],
+        "restored_step": record["restored_step"],
+        "kind": record["kind"],
+        "world_before": record["world_before"],
+        "world_after": record["world_after"],
+        "restarts": len(failures),
+        "path": record.get("path", "cold"),
+        "note": note,
+        "spare": record.get("spare"),
+        "detect_s": record["time"] - injected,
+        "reform_s": record.get("reform_s"),
+        "first_step_s": record.get("first_step_s"),
     }
 
 
@@ -327,7 +352,9 @@ def raympi_removed_node(n: int, steps: int, path: str) -> dict[str, Any]:
 
         def remove() -> None:
             nodes = list(cluster.worker_nodes)
-            hosting = [_node_of(p, nodes) for p in sorted(_processes("ray::Worker", _raylet_pids(nodes)), key=lambda p: p.pid)]
+            hosting = [
+                _node_of(p, nodes) for p in sorted(_processes("ray::Worker", _raylet_pids(nodes)), key=lambda p: p.pid)
+            ]
             hosting = [h for h in hosting if h is not None]
             if not hosting:
                 raise RuntimeError("found no node hosting a raympi worker")
@@ -391,7 +418,10 @@ def _train_loop(config: dict[str, Any]) -> None:
             with tempfile.TemporaryDirectory() as d:
                 saved = None
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, os.path.join(d, "state.pt"))
+                    torch.save(
+                        {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1},
+                        os.path.join(d, "state.pt"),
+                    )
                     saved = ray.train.Checkpoint.from_directory(d)
                 ray.train.report({"loss": loss.item(), "step": step + 1}, checkpoint=saved)
     log.close()
@@ -442,9 +472,12 @@ def raytrain_killed_worker(n: int, steps: int) -> dict[str, Any]:
 
         injector = _Injector(ready, kill)
         trainer = TorchTrainer(
-            _train_loop, train_loop_config={"n": n, "steps": steps, "log": log},
+            _train_loop,
+            train_loop_config={"n": n, "steps": steps, "log": log},
             scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False),
-            run_config=RunConfig(name="bench", storage_path=os.path.join(folder, "storage"), failure_config=FailureConfig(max_failures=1)),
+            run_config=RunConfig(
+                name="bench", storage_path=os.path.join(folder, "storage"), failure_config=FailureConfig(max_failures=1)
+            ),
         )
         error = None
         try:
@@ -460,13 +493,21 @@ def raytrain_killed_worker(n: int, steps: int) -> dict[str, Any]:
         old_pids = {r[2] for r in before}
         after = [r for r in rows if r[0] > injected and r[2] not in old_pids]
         if not after:
-            raise RuntimeError(f"Ray Train did not restart: no step from a new worker after the failure ({error or 'fit() returned'})")
+            raise RuntimeError(
+                f"Ray Train did not restart: no step from a new worker after the failure ({error or 'fit() returned'})"
+            )
         first = after[0]
         restored = first[1] - 1
         return {
-            "recovery_s": first[0] - injected, "reported_recovery_s": None,
-            "steps_lost": max(r[1] for r in before) - restored, "restored_step": restored, "kind": "SIGKILL",
-            "world_before": WORKERS, "world_after": len({r[3] for r in after}), "restarts": 1, "path": "restart",
+            "recovery_s": first[0] - injected,
+            "reported_recovery_s": None,
+            "steps_lost": max(r[1] for r in before) - restored,
+            "restored_step": restored,
+            "kind": "SIGKILL",
+            "world_before": WORKERS,
+            "world_after": len({r[3] for r in after}),
+            "restarts": 1,
+            "path": "restart",
             "note": f"recovered, then fit() raised {error}" if error else "",
         }
     finally:
@@ -486,20 +527,30 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each scenario (median/min/max over them)")
-    parser.add_argument("--quick", action="store_true", help="1 run, raympi killed worker (default path) only, small data")
-    parser.add_argument("--only", default="", help="run only the scenarios whose name contains this text, e.g. 'killed worker (warm)'")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 run, raympi killed worker (default path) only, small data"
+    )
+    parser.add_argument(
+        "--only", default="", help="run only the scenarios whose name contains this text, e.g. 'killed worker (warm)'"
+    )
     args = parser.parse_args(argv)
     runs = 1 if args.quick else max(1, args.runs)
     n, raympi_steps, raytrain_steps = (2048, 200, 0) if args.quick else (8192, 600, 120)
     paths = ["warm", "cold"] if has_warm_path() else ["cold"]
     scenarios: list[tuple[str, Callable[[], dict[str, Any]]]] = []
     for path in paths[:1] if args.quick else paths:
-        scenarios.append((f"raympi killed worker ({path})", lambda path=path: raympi_killed_worker(n, raympi_steps, path)))
+        scenarios.append(
+            (f"raympi killed worker ({path})", lambda path=path: raympi_killed_worker(n, raympi_steps, path))
+        )
     raytrain_note = ""
     if not args.quick:
-        scenarios.append(("raympi stopped worker (warm)", lambda: raympi_killed_worker(n, raympi_steps, "warm", signal.SIGSTOP)))
+        scenarios.append(
+            ("raympi stopped worker (warm)", lambda: raympi_killed_worker(n, raympi_steps, "warm", signal.SIGSTOP))
+        )
         for path in paths:
-            scenarios.append((f"raympi removed node ({path})", lambda path=path: raympi_removed_node(n, raympi_steps, path)))
+            scenarios.append(
+                (f"raympi removed node ({path})", lambda path=path: raympi_removed_node(n, raympi_steps, path))
+            )
         try:
             import ray.train.torch  # noqa: F401
             from ray.train.v2._internal.constants import is_v2_enabled
@@ -516,10 +567,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import ray
 
-    print(f"raympi recovery benchmark: ray {ray.__version__}, torch {torch.__version__}, {psutil.cpu_count()} CPUs, "
-          f"{runs} run(s) per scenario; {raytrain_note or 'Ray Train not run (--quick)'}", flush=True)
-    print(f"model 784-256-10 MLP (+{PACE_S * 1000:g} ms sleep per forward), {WORKERS} workers, batch {BATCH}, "
-          f"checkpoint every {CHECKPOINT_EVERY} steps, failure injected after the checkpoint of step {FAIL_AFTER_CHECKPOINT}", flush=True)
+    print(
+        f"raympi recovery benchmark: ray {ray.__version__}, torch {torch.__version__}, {psutil.cpu_count()} CPUs, "
+        f"{runs} run(s) per scenario; {raytrain_note or 'Ray Train not run (--quick)'}",
+        flush=True,
+    )
+    print(
+        f"model 784-256-10 MLP (+{PACE_S * 1000:g} ms sleep per forward), {WORKERS} workers, batch {BATCH}, "
+        f"checkpoint every {CHECKPOINT_EVERY} steps, failure injected after the checkpoint of step {FAIL_AFTER_CHECKPOINT}",
+        flush=True,
+    )
 
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in scenarios}
     errors: dict[str, list[str]] = {name: [] for name, _ in scenarios}
@@ -536,17 +593,22 @@ def main(argv: Optional[list[str]] = None) -> int:
             out["run"] = run + 1
             out["excluded"] = "excluded" in out.get("note", "")
             results[name].append(out)
-            print(f"  run {run + 1} {name}: {out['recovery_s']:.2f} s to the first step after the failure, "
-                  f"{out['steps_lost']} step(s) lost (scenario took {time.monotonic() - started:.0f} s)"
-                  + (f" [{out['note']}]" if out.get("note") else ""), flush=True)
+            print(
+                f"  run {run + 1} {name}: {out['recovery_s']:.2f} s to the first step after the failure, "
+                f"{out['steps_lost']} step(s) lost (scenario took {time.monotonic() - started:.0f} s)"
+                + (f" [{out['note']}]" if out.get("note") else ""),
+                flush=True,
+            )
 
     def median(name: str, key: str = "recovery_s") -> Optional[float]:
         values = [r[key] for r in results.get(name, []) if r.get(key) is not None and not r["excluded"]]
         return statistics.median(values) if values else None
 
     raytrain = median(RAYTRAIN_KILL)
-    header = (f"{'scenario':<30} | {'median s':>8} | {'min s':>6} | {'max s':>6} | {'runs':>4} | {'steps lost':>10} | "
-              f"{'detect s':>8} | {'reform s':>8} | {'1st step s':>10} | {'spare':>5} | {'Ray Train/raympi':>16}")
+    header = (
+        f"{'scenario':<30} | {'median s':>8} | {'min s':>6} | {'max s':>6} | {'runs':>4} | {'steps lost':>10} | "
+        f"{'detect s':>8} | {'reform s':>8} | {'1st step s':>10} | {'spare':>5} | {'Ray Train/raympi':>16}"
+    )
     print()
     print(header)
     print("-" * len(header))
@@ -562,20 +624,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         split = {key: median(name, key) for key in ("detect_s", "reform_s", "first_step_s")}
         spares = [r.get("spare") for r in results[name] if not r["excluded"] and r.get("spare") is not None]
         spare = f"{sum(spares)}/{len(spares)}" if spares else "-"
-        print(f"{name:<30} | {med:>8.2f} | {min(values):>6.2f} | {max(values):>6.2f} | {len(values):>4} | {_fmt(lost, 0):>10} | "
-              f"{_fmt(split['detect_s']):>8} | {_fmt(split['reform_s']):>8} | {_fmt(split['first_step_s']):>10} | {spare:>5} | "
-              f"{(_fmt(ratio, 1) + 'x') if ratio else '-':>16}")
-        summary.append({"scenario": name, "median_s": med, "min_s": min(values), "max_s": max(values), "runs": len(values),
-                        "steps_lost_median": lost, **{f"{k}_median": v for k, v in split.items()}, "spares_used": spare,
-                        "raytrain_over_raympi": ratio})
+        print(
+            f"{name:<30} | {med:>8.2f} | {min(values):>6.2f} | {max(values):>6.2f} | {len(values):>4} | {_fmt(lost, 0):>10} | "
+            f"{_fmt(split['detect_s']):>8} | {_fmt(split['reform_s']):>8} | {_fmt(split['first_step_s']):>10} | {spare:>5} | "
+            f"{(_fmt(ratio, 1) + 'x') if ratio else '-':>16}"
+        )
+        summary.append(
+            {
+                "scenario": name,
+                "median_s": med,
+                "min_s": min(values),
+                "max_s": max(values),
+                "runs": len(values),
+                "steps_lost_median": lost,
+                **{f"{k}_median": v for k, v in split.items()},
+                "spares_used": spare,
+                "raytrain_over_raympi": ratio,
+            }
+        )
     if raytrain is not None:
         rows = [(r["scenario"], r["raytrain_over_raympi"]) for r in summary if r["raytrain_over_raympi"]]
-        print("goal (issue 5): recovery in a few seconds and >= 5x faster than Ray Train: "
-              + ", ".join(f"{name} {ratio:.1f}x {'met' if ratio >= 5 else 'NOT met'}" for name, ratio in rows))
+        print(
+            "goal (issue 5): recovery in a few seconds and >= 5x faster than Ray Train: "
+            + ", ".join(f"{name} {ratio:.1f}x {'met' if ratio >= 5 else 'NOT met'}" for name, ratio in rows)
+        )
     for name, target in (("raympi killed worker (warm)", 1.0), ("raympi removed node (warm)", 1.5)):
         med = median(name)
         if med is not None:
-            print(f"target (issue 14): {name} <= {target} s at default settings: {med:.2f} s, {'met' if med <= target else 'NOT met'}")
+            print(
+                f"target (issue 14): {name} <= {target} s at default settings: {med:.2f} s, {'met' if med <= target else 'NOT met'}"
+            )
     if "warm" not in paths:
         for what in ("killed worker", "removed node"):
             print(f"{'raympi ' + what + ' (warm)':<30} | warm: not implemented (raympi has only the cold path)")
@@ -584,17 +662,44 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, _ in scenarios:
         if name.endswith("(warm)") and results[name]:
             taken = [r["path"] for r in results[name]]
-            print(f"{name}: path taken warm {taken.count('warm')}/{len(taken)}, cold fallback {taken.count('cold')}/{len(taken)}")
+            print(
+                f"{name}: path taken warm {taken.count('warm')}/{len(taken)}, cold fallback {taken.count('cold')}/{len(taken)}"
+            )
     for name, _ in scenarios:
         excluded = [r["run"] for r in results[name] if r["excluded"]]
         if excluded or errors[name]:
-            print(f"{name}: {len(errors[name])} run(s) failed, run(s) {excluded or '-'} excluded (more than the one injected failure)")
+            print(
+                f"{name}: {len(errors[name])} run(s) failed, run(s) {excluded or '-'} excluded (more than the one injected failure)"
+            )
 
-    stem = "recovery_quick" if args.quick else ("recovery_only" if args.only else "recovery")  # a partial run leaves the full results alone
-    fields = ["scenario", "run", "recovery_s", "reported_recovery_s", "detect_s", "reform_s", "first_step_s", "spare", "steps_lost",
-              "restored_step", "kind", "path", "world_before", "world_after", "restarts", "excluded", "note"]
-    write_csv(OUT / f"{stem}.csv", ({"scenario": name, **r} for name, _ in scenarios for r in results[name]), fields,
-              extrasaction="ignore")
+    stem = (
+        "recovery_quick" if args.quick else ("recovery_only" if args.only else "recovery")
+    )  # a partial run leaves the full results alone
+    fields = [
+        "scenario",
+        "run",
+        "recovery_s",
+        "reported_recovery_s",
+        "detect_s",
+        "reform_s",
+        "first_step_s",
+        "spare",
+        "steps_lost",
+        "restored_step",
+        "kind",
+        "path",
+        "world_before",
+        "world_after",
+        "restarts",
+        "excluded",
+        "note",
+    ]
+    write_csv(
+        OUT / f"{stem}.csv",
+        ({"scenario": name, **r} for name, _ in scenarios for r in results[name]),
+        fields,
+        extrasaction="ignore",
+    )
     write_csv(OUT / f"{stem}_summary.csv", summary, list(summary[0]) if summary else ["scenario"])
     print(f"\nwrote {OUT / (stem + '.csv')} and {OUT / (stem + '_summary.csv')}")
     return 0 if all(any(not r["excluded"] for r in results[name]) for name, _ in scenarios) else 1

@@ -154,8 +154,11 @@ def _ready(actors: list[Any]) -> float:
 
 
 def part_a(sizes: list[int], sizes_16mb: set[int], reps: int) -> list[dict[str, Any]]:
-    env = {**MPIConfig().environment(multi_host=False), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": _boot_dir({"sitecustomize.py": LIGHT_BOOT})}
+    env = {
+        **MPIConfig().environment(multi_host=False),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": _boot_dir({"sitecustomize.py": LIGHT_BOOT}),
+    }
     rows = []
     for n in sizes:
         actors = [Light.options(runtime_env={"env_vars": env}).remote() for _ in range(n)]
@@ -171,7 +174,9 @@ def part_a(sizes: list[int], sizes_16mb: set[int], reps: int) -> list[dict[str, 
             for label, nbytes in (("8B", 8), ("1MB", 2**20), ("16MB", 16 * 2**20)):
                 if label == "16MB" and n not in sizes_16mb:
                     continue
-                per_rank = ray.get([a.time_allreduce.remote(nbytes, reps if nbytes < 2**24 else max(3, reps // 4)) for a in actors])
+                per_rank = ray.get(
+                    [a.time_allreduce.remote(nbytes, reps if nbytes < 2**24 else max(3, reps // 4)) for a in actors]
+                )
                 row[label] = slowest_median(per_rank)
             assert not any(ray.get([a.torch_loaded.remote() for a in actors])), "a collective imported torch"
         finally:
@@ -193,7 +198,9 @@ def part_b(worlds: list[int], chunks: list[int], steps: int) -> list[dict[str, A
             group = EchoGroup(cfg, actors)
             for k in chunks:
                 total = max(4 * k, steps - steps % k)
-                plan = FixedPlan(total=total + 1, steps_per_epoch=total + 1, chunk=k)  # one epoch; +1: the first chunk is 1 step
+                plan = FixedPlan(
+                    total=total + 1, steps_per_epoch=total + 1, chunk=k
+                )  # one epoch; +1: the first chunk is 1 step
                 sampler = Sampler(0, BATCH, BATCH * (total + 1), range(w, w + 1))
                 pipeline = TimedPipeline(plan, sampler, cfg, eval_size=0)
                 pipeline.run(group, 0, Hooks(), lambda: None)  # warm-up: every actor's connection, the epoch's order
@@ -203,10 +210,21 @@ def part_b(worlds: list[int], chunks: list[int], steps: int) -> list[dict[str, A
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 assert len(hooks.records) == total + 1
                 n_chunks = 1 + total // k
-                rows.append({"W": w, "k": k, "start_s": start_s, "chunks": n_chunks, "steps": total + 1,
-                             "cpu_chunk_ms": cpu / n_chunks * 1e3, "cpu_step_ms": cpu / (total + 1) * 1e3,
-                             "wall_chunk_ms": wall / n_chunks * 1e3, "cpu_share": cpu / wall,
-                             "submit": pipeline.cpu_s / cpu, "gather": group.cpu_s / cpu})
+                rows.append(
+                    {
+                        "W": w,
+                        "k": k,
+                        "start_s": start_s,
+                        "chunks": n_chunks,
+                        "steps": total + 1,
+                        "cpu_chunk_ms": cpu / n_chunks * 1e3,
+                        "cpu_step_ms": cpu / (total + 1) * 1e3,
+                        "wall_chunk_ms": wall / n_chunks * 1e3,
+                        "cpu_share": cpu / wall,
+                        "submit": pipeline.cpu_s / cpu,
+                        "gather": group.cpu_s / cpu,
+                    }
+                )
                 print(f"  W={w} k={k}: {rows[-1]}", flush=True)
         finally:
             for a in actors:
@@ -215,49 +233,75 @@ def part_b(worlds: list[int], chunks: list[int], steps: int) -> list[dict[str, A
 
 
 def print_a(rows: list[dict[str, Any]], cores: int) -> None:
-    print(f"\n(a) light members, {cores} cores, MPI env {MPIConfig().environment(multi_host=False)}; median of the slowest rank")
+    print(
+        f"\n(a) light members, {cores} cores, MPI env {MPIConfig().environment(multi_host=False)}; median of the slowest rank"
+    )
     ref = next((r for r in rows if r["N"] >= 8), rows[-1])
     n0, lg0 = ref["N"], math.log2(max(2, ref["N"]))
-    print(f"{'N':>3} | {'start s':>7} | {'init s':>6} | {'form s':>7} | {'form/N ms':>9} | {'8 B ms':>7} | {'1 MB ms':>8} | {'16 MB ms':>8} | "
-          f"{'form x':>6} | {'1 MB x':>6} | {'log2N x':>7} | {'N log2N x':>9}")
+    print(
+        f"{'N':>3} | {'start s':>7} | {'init s':>6} | {'form s':>7} | {'form/N ms':>9} | {'8 B ms':>7} | {'1 MB ms':>8} | {'16 MB ms':>8} | "
+        f"{'form x':>6} | {'1 MB x':>6} | {'log2N x':>7} | {'N log2N x':>9}"
+    )
     for r in rows:
         n, lg = r["N"], math.log2(max(2, r["N"]))
         mb16 = f"{r['16MB'] * 1e3:8.1f}" if "16MB" in r else f"{'-':>8}"
-        print(f"{n:>3} | {r['start_s']:7.1f} | {r['init_s']:6.2f} | {r['form_s']:7.2f} | {r['form_s'] / n * 1e3:9.1f} | {r['8B'] * 1e3:7.2f} | "
-              f"{r['1MB'] * 1e3:8.2f} | {mb16} | {r['form_s'] / ref['form_s']:6.2f} | {r['1MB'] / ref['1MB']:6.2f} | "
-              f"{lg / lg0:7.2f} | {n * lg / (n0 * lg0):9.2f}")
-    print("  init: MPI_Init on every rank at once (fit does it inside formation's first round); form: comm.form after it")
-    print(f"  'x' columns are ratios to N={n0}: measured (form, 1 MB) against a log2(N) algorithm with a core per rank "
-          f"(log2N) and the same algorithm time-sharing {cores} cores (N log2N)")
+        print(
+            f"{n:>3} | {r['start_s']:7.1f} | {r['init_s']:6.2f} | {r['form_s']:7.2f} | {r['form_s'] / n * 1e3:9.1f} | {r['8B'] * 1e3:7.2f} | "
+            f"{r['1MB'] * 1e3:8.2f} | {mb16} | {r['form_s'] / ref['form_s']:6.2f} | {r['1MB'] / ref['1MB']:6.2f} | "
+            f"{lg / lg0:7.2f} | {n * lg / (n0 * lg0):9.2f}"
+        )
+    print(
+        "  init: MPI_Init on every rank at once (fit does it inside formation's first round); form: comm.form after it"
+    )
+    print(
+        f"  'x' columns are ratios to N={n0}: measured (form, 1 MB) against a log2(N) algorithm with a core per rank "
+        f"(log2N) and the same algorithm time-sharing {cores} cores (N log2N)"
+    )
     top = rows[-1]
     if top["N"] > n0:
         span = math.log(top["N"] / n0)
-        print(f"  from N={n0} to {top['N']}: formation ~ N^{math.log(top['form_s'] / ref['form_s']) / span:.2f}, "
-              f"1 MB allreduce ~ N^{math.log(top['1MB'] / ref['1MB']) / span:.2f}, 8 B ~ N^{math.log(top['8B'] / ref['8B']) / span:.2f} "
-              f"(log2N model: N^{math.log(math.log2(top['N']) / lg0) / span:.2f}, N log2N: N^{math.log(top['N'] * math.log2(top['N']) / (n0 * lg0)) / span:.2f})")
+        print(
+            f"  from N={n0} to {top['N']}: formation ~ N^{math.log(top['form_s'] / ref['form_s']) / span:.2f}, "
+            f"1 MB allreduce ~ N^{math.log(top['1MB'] / ref['1MB']) / span:.2f}, 8 B ~ N^{math.log(top['8B'] / ref['8B']) / span:.2f} "
+            f"(log2N model: N^{math.log(math.log2(top['N']) / lg0) / span:.2f}, N log2N: N^{math.log(top['N'] * math.log2(top['N']) / (n0 * lg0)) / span:.2f})"
+        )
     two = next((r for r in rows if r["N"] == 2), None)
     if two:
-        bw = [f"{nb / 2**20:g} MB {nb / two[k] / 1e9:.2f} GB/s" for k, nb in (("1MB", 2**20), ("16MB", 16 * 2**20)) if k in two]
-        print(f"  alpha-beta at N=2 (not oversubscribed): latency (8 B allreduce) {two['8B'] * 1e6:.1f} us; "
-              f"algbw {', '.join(bw)}; MPI_Init {two['init_s'] * 1e3:.0f} ms, formation "
-              f"{two['form_s'] * 1e3:.0f} ms (one merge round and the closing agreement)")
+        bw = [
+            f"{nb / 2**20:g} MB {nb / two[k] / 1e9:.2f} GB/s"
+            for k, nb in (("1MB", 2**20), ("16MB", 16 * 2**20))
+            if k in two
+        ]
+        print(
+            f"  alpha-beta at N=2 (not oversubscribed): latency (8 B allreduce) {two['8B'] * 1e6:.1f} us; "
+            f"algbw {', '.join(bw)}; MPI_Init {two['init_s'] * 1e3:.0f} ms, formation "
+            f"{two['form_s'] * 1e3:.0f} ms (one merge round and the closing agreement)"
+        )
 
 
 def print_b(rows: list[dict[str, Any]]) -> None:
-    print("\n(b) driver CPU per chunk (time.process_time of the driver process, all threads) with workers that answer at once")
-    print(f"{'W':>4} | {'k steps':>7} | {'chunks':>6} | {'CPU ms/chunk':>12} | {'CPU ms/step':>11} | {'wall ms/chunk':>13} | "
-          f"{'CPU/wall':>8} | {'submit':>6} | {'gather':>6}")
+    print(
+        "\n(b) driver CPU per chunk (time.process_time of the driver process, all threads) with workers that answer at once"
+    )
+    print(
+        f"{'W':>4} | {'k steps':>7} | {'chunks':>6} | {'CPU ms/chunk':>12} | {'CPU ms/step':>11} | {'wall ms/chunk':>13} | "
+        f"{'CPU/wall':>8} | {'submit':>6} | {'gather':>6}"
+    )
     for r in rows:
-        print(f"{r['W']:>4} | {r['k']:>7} | {r['chunks']:>6} | {r['cpu_chunk_ms']:12.2f} | {r['cpu_step_ms']:11.3f} | "
-              f"{r['wall_chunk_ms']:13.2f} | {r['cpu_share']:8.2f} | {r['submit']:6.0%} | {r['gather']:6.0%}")
+        print(
+            f"{r['W']:>4} | {r['k']:>7} | {r['chunks']:>6} | {r['cpu_chunk_ms']:12.2f} | {r['cpu_step_ms']:11.3f} | "
+            f"{r['wall_chunk_ms']:13.2f} | {r['cpu_share']:8.2f} | {r['submit']:6.0%} | {r['gather']:6.0%}"
+        )
     print("  submit: shards, pickling and one run.remote per rank; gather: WorkerGroup.gather (waits, checks, ray.get)")
     # cpu per chunk ~ c0 + c1 W + c2 W k: least squares over the rows
     a = np.array([[1.0, r["W"], r["W"] * r["k"]] for r in rows])
     y = np.array([r["cpu_chunk_ms"] for r in rows])
     if len(rows) >= 3 and np.linalg.matrix_rank(a) == 3:
         c0, c1, c2 = np.linalg.lstsq(a, y, rcond=None)[0]
-        print(f"  fit: CPU ms/chunk ~ {c0:.2f} + {c1 * 1e3:.0f} us x W + {c2 * 1e3:.1f} us x W x k "
-              f"(per chunk, per rank per chunk, per rank per step)")
+        print(
+            f"  fit: CPU ms/chunk ~ {c0:.2f} + {c1 * 1e3:.0f} us x W + {c2 * 1e3:.1f} us x W x k "
+            f"(per chunk, per rank per chunk, per rank per step)"
+        )
 
 
 def pickling(world: int) -> None:
@@ -276,8 +320,10 @@ def pickling(world: int) -> None:
         for _ in range(2000):
             pickle.dumps([(0, value)])
         cost[name] = ((time.process_time() - start) / 2000 * 1e6, len(pickle.dumps([(0, value)])))
-    print(f"  per rank per step at W={world}: Sampler shard {shard_us:.1f} us; pickling its (epoch, indices) "
-          f"{cost['torch'][0]:.0f} us / {cost['torch'][1]} B as a torch tensor, {cost['numpy'][0]:.0f} us / {cost['numpy'][1]} B as numpy")
+    print(
+        f"  per rank per step at W={world}: Sampler shard {shard_us:.1f} us; pickling its (epoch, indices) "
+        f"{cost['torch'][0]:.0f} us / {cost['torch'][1]} B as a torch tensor, {cost['numpy'][0]:.0f} us / {cost['numpy'][1]} B as numpy"
+    )
 
 
 def main() -> None:

@@ -83,7 +83,9 @@ SMALL_PER_BIG = 4
 KILL_AFTER_S = (0.2, 1.2)
 ABORT_DELAY_S = 0.5
 ANSWER_S = 5.0
-LATE_WAIT_S = 120.0  # how long a survivor late to leave its abandoned collective is waited for (to tell slow from stuck)
+LATE_WAIT_S = (
+    120.0  # how long a survivor late to leave its abandoned collective is waited for (to tell slow from stuck)
+)
 REFORM_TIMEOUT_S = 45.0  # re-forming takes well under a second (a few under heavy load): longer is a hang
 
 # name -> environment of every rank (on top of OMP_NUM_THREADS=1).  "default" is computed at run time.
@@ -188,7 +190,7 @@ class Rank(comm.Member):
         except Exception as exc:  # MPI reported the lost peer (ERRORS_RETURN)
             how = f"mpi error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         # The first calls of a new communicator set up connections: not a step's cost.
-        return {"how": how, "big": times["big"][2:], "small": times["small"][2 * SMALL_PER_BIG:]}
+        return {"how": how, "big": times["big"][2:], "small": times["small"][2 * SMALL_PER_BIG :]}
 
 
 class Chain:
@@ -225,8 +227,11 @@ class Chain:
 
 def cause_of(pid: int, logs: Path, error: str = "") -> str:
     """The line of a dead worker's Ray logs (or of the error Ray raised for it) that says why it died."""
-    files = [f for pattern in (f"worker-*-{pid}.err", f"worker-*-{pid}.out", f"python-core-worker-*_{pid}.log")
-             for f in glob.glob(str(logs / pattern))]
+    files = [
+        f
+        for pattern in (f"worker-*-{pid}.err", f"worker-*-{pid}.out", f"python-core-worker-*_{pid}.log")
+        for f in glob.glob(str(logs / pattern))
+    ]
     text = []
     for f in files:
         try:
@@ -247,7 +252,9 @@ def _stacks(pids: list[int], tag: str) -> Path:
     spy = Path(sys.executable).with_name("py-spy")
     for pid in pids:
         try:
-            out = subprocess.run([str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                [str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+            )
             dumps.append(f"== pid {pid}\n{out.stdout}{out.stderr}")
         except (OSError, subprocess.SubprocessError) as exc:
             dumps.append(f"== pid {pid}: no py-spy dump ({exc})")
@@ -337,7 +344,9 @@ def trial(chain: Chain, logs: Path, rng: random.Random) -> dict[str, Any]:
         ray.kill(victim, no_restart=True)
         chain.members = [*survivors, replacement]
         # A hang is killed by form() at its deadline: take the members' stacks shortly before.
-        spy = threading.Timer(REFORM_TIMEOUT_S - 10, _stacks, ([*survivor_pids, fresh_pid], f"reform-{chain.setting}-{record['trial']}"))
+        spy = threading.Timer(
+            REFORM_TIMEOUT_S - 10, _stacks, ([*survivor_pids, fresh_pid], f"reform-{chain.setting}-{record['trial']}")
+        )
         spy.start()
         try:
             comm.form(chain.members, timeout_s=REFORM_TIMEOUT_S)
@@ -359,7 +368,9 @@ def trial(chain: Chain, logs: Path, rng: random.Random) -> dict[str, Any]:
             record["crash"] = f"{stage}: {type(exc).__name__}"
             record["cause"] = cause_of(died[0], logs, str(exc))
         else:  # every survivor lived (form() kills the members of a group that failed to form)
-            record["failure"] = f"{stage}: {type(exc).__name__}: {message}" + (f" ({record['late']})" if "late" in record else "")
+            record["failure"] = f"{stage}: {type(exc).__name__}: {message}" + (
+                f" ({record['late']})" if "late" in record else ""
+            )
         ray.kill(replacement, no_restart=True)
         chain.reset()
     record["trial_s"] = round(time.monotonic() - started, 1)
@@ -367,7 +378,18 @@ def trial(chain: Chain, logs: Path, rng: random.Random) -> dict[str, Any]:
 
 
 def save_trials(path: Path, chains: list[Chain]) -> None:
-    fields = ["setting", "trial", "kill_after_s", "how", "crash", "cause", "failure", "external", "setup_error", "trial_s"]
+    fields = [
+        "setting",
+        "trial",
+        "kill_after_s",
+        "how",
+        "crash",
+        "cause",
+        "failure",
+        "external",
+        "setup_error",
+        "trial_s",
+    ]
     write_csv(path, (r for c in chains for r in c.trials), fields, extrasaction="ignore")
 
 
@@ -375,8 +397,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--ranks", type=int, default=2, choices=(2, 3))
-    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
-                        help=f"comma-separated, of: default, {', '.join(SETTINGS)}")
+    parser.add_argument(
+        "--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma-separated, of: default, {', '.join(SETTINGS)}"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 trials of the default setting")
     parser.add_argument("--list", action="store_true", help="print the settings' environments and exit")
@@ -388,8 +411,10 @@ def main() -> None:
     for s in settings:
         base, options = split(s)
         if base != "default" and base not in SETTINGS or options - set(OPTIONS):
-            parser.error(f"unknown setting {s!r}; known: default, {', '.join(SETTINGS)}, each with any of "
-                         f"{', '.join(' +' + o for o in OPTIONS)}")
+            parser.error(
+                f"unknown setting {s!r}; known: default, {', '.join(SETTINGS)}, each with any of "
+                f"{', '.join(' +' + o for o in OPTIONS)}"
+            )
     if args.list:
         for s in ["default", *SETTINGS]:
             print(f"{s:<16} {environment(s)}")
@@ -412,20 +437,30 @@ def main() -> None:
                     print(f"  {chain.setting}: could not form a group ({rec['setup_error']}); retrying", flush=True)
                 chain.trials.append(rec)
                 if rec["crash"]:
-                    print(f"  {chain.setting} trial {rec['trial']}: SURVIVOR CRASHED at {rec['crash']}: {rec['cause']}", flush=True)
+                    print(
+                        f"  {chain.setting} trial {rec['trial']}: SURVIVOR CRASHED at {rec['crash']}: {rec['cause']}",
+                        flush=True,
+                    )
                 elif rec.get("external"):
                     print(f"  {chain.setting} trial {rec['trial']}: excluded, {rec['external']}", flush=True)
                 elif rec.get("failure"):
-                    print(f"  {chain.setting} trial {rec['trial']}: survivor alive, but failed at {rec['failure']}", flush=True)
+                    print(
+                        f"  {chain.setting} trial {rec['trial']}: survivor alive, but failed at {rec['failure']}",
+                        flush=True,
+                    )
             save_trials(path, chains)  # after every round: a run stopped from outside keeps what it measured
             print(f"trial {t + 1}/{args.trials} done ({time.monotonic() - started:.0f} s)", flush=True)
     finally:
         ray.shutdown()
 
-    print(f"\n{args.ranks} ranks, one host; the last rank SIGKILLed at a random moment of an allreduce_ loop, "
-          f"survivors aborted {ABORT_DELAY_S} s after its death, then re-formed with a fresh rank")
-    head = (f"{'setting':<22} | {'trials':>6} | {'survivor crashes':>16} | {'other failures':>14} | "
-            f"{'23.3 MB ms':>10} | {'4 KB ms':>8} | environment")
+    print(
+        f"\n{args.ranks} ranks, one host; the last rank SIGKILLed at a random moment of an allreduce_ loop, "
+        f"survivors aborted {ABORT_DELAY_S} s after its death, then re-formed with a fresh rank"
+    )
+    head = (
+        f"{'setting':<22} | {'trials':>6} | {'survivor crashes':>16} | {'other failures':>14} | "
+        f"{'23.3 MB ms':>10} | {'4 KB ms':>8} | environment"
+    )
     print(head)
     print("-" * len(head))
     for chain in chains:

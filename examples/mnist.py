@@ -23,7 +23,12 @@ from torch import nn
 import raympi
 
 DEBIAN_FASHION = "/usr/share/datasets/fashion-mnist"
-FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
+FILES = [
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+]
 
 
 class Net(nn.Module):
@@ -32,8 +37,12 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 16, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 5 * 5, 128), nn.ReLU(), nn.Linear(128, 10))
 
@@ -47,10 +56,20 @@ class WideNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(64 * 7 * 7, 96), nn.ReLU(), nn.Linear(96, 10))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Dropout(0.3), nn.Linear(64 * 7 * 7, 96), nn.ReLU(), nn.Linear(96, 10)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -69,8 +88,9 @@ def augmented(name: str, data_dir: str) -> torch.utils.data.Dataset:
 
     mean, std = MEAN_STD[name]
     flip = [transforms.RandomHorizontalFlip()] if name == "fashion-mnist" else []  # digits are not mirror-symmetric
-    augment = transforms.Compose([transforms.RandomCrop(28, padding=2), *flip, transforms.ToTensor(),
-                                  transforms.Normalize((mean,), (std,))])
+    augment = transforms.Compose(
+        [transforms.RandomCrop(28, padding=2), *flip, transforms.ToTensor(), transforms.Normalize((mean,), (std,))]
+    )
     return _torchvision(name, data_dir, train=True, transform=augment)
 
 
@@ -119,8 +139,12 @@ def main(argv: list[str] | None = None) -> raympi.Result:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--subset", type=int, default=0, help="use only the first N training and N/5 test samples")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compression", choices=["bf16", "fp16"], default=None, help="gradients as 16-bit floats on the wire")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="mixed precision of forward and loss")
+    parser.add_argument(
+        "--compression", choices=["bf16", "fp16"], default=None, help="gradients as 16-bit floats on the wire"
+    )
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="mixed precision of forward and loss"
+    )
     args = parser.parse_args(argv)
 
     epochs = args.epochs or (12 if args.augment else 4)
@@ -130,7 +154,11 @@ def main(argv: list[str] | None = None) -> raympi.Result:
     if args.augment:
         train = augmented(args.dataset, args.data_dir)
     if args.subset:
-        train = torch.utils.data.Subset(train, range(args.subset)) if args.augment else (x_train[: args.subset], y_train[: args.subset])
+        train = (
+            torch.utils.data.Subset(train, range(args.subset))
+            if args.augment
+            else (x_train[: args.subset], y_train[: args.subset])
+        )
         x_test, y_test = x_test[: max(1, args.subset // 5)], y_test[: max(1, args.subset // 5)]
 
     torch.manual_seed(args.seed)
@@ -138,17 +166,29 @@ def main(argv: list[str] | None = None) -> raympi.Result:
     steps = epochs * (len(train if args.augment else x_train) // args.batch_size)
     try:
         result = raympi.fit(
-            WideNet() if args.augment else Net(), train, workers=args.workers, epochs=epochs, batch_size=args.batch_size,
-            optimizer=raympi.optim.adam(raympi.optim.cosine_decay(args.lr, steps)), eval_dataset=(x_test, y_test),
-            seed=args.seed, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-            address=args.address, compression=args.compression, precision=args.precision,
+            WideNet() if args.augment else Net(),
+            train,
+            workers=args.workers,
+            epochs=epochs,
+            batch_size=args.batch_size,
+            optimizer=raympi.optim.adam(raympi.optim.cosine_decay(args.lr, steps)),
+            eval_dataset=(x_test, y_test),
+            seed=args.seed,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            address=args.address,
+            compression=args.compression,
+            precision=args.precision,
         )
     except raympi.RaympiError as exc:  # one line: what went wrong and what to change
         sys.exit(f"mnist.py: {type(exc).__name__}: {exc}")
     with torch.no_grad():
         accuracy = (result.model.eval()(x_test).argmax(1) == y_test).float().mean().item()
-    print(f"{args.dataset}: test accuracy {accuracy:.4f} after {epochs} epoch(s) on {args.workers} worker(s), "
-          f"{time.time() - start:.1f} s; last checkpoint {result.checkpoint}")
+    print(
+        f"{args.dataset}: test accuracy {accuracy:.4f} after {epochs} epoch(s) on {args.workers} worker(s), "
+        f"{time.time() - start:.1f} s; last checkpoint {result.checkpoint}"
+    )
     return result
 
 

@@ -12,18 +12,35 @@ from typing import Any
 
 from raympi import comm
 from raympi.exceptions import (
-    CapacityError, ConfigError, FormationError, MPIUnavailableError, NonFiniteLossError, PreemptedError, RaympiError,
-    RestartsExhaustedError, StepTimeoutError, TrainingError, WorkerLostError,
+    CapacityError,
+    ConfigError,
+    FormationError,
+    MPIUnavailableError,
+    NonFiniteLossError,
+    PreemptedError,
+    RaympiError,
+    RestartsExhaustedError,
+    StepTimeoutError,
+    TrainingError,
+    WorkerLostError,
 )
 
 __version__ = "0.1.0"
 
 # Loaded on first use: the driver imports Ray and the core torch, and a light MPI member
 # (``raympi.comm`` alone) needs neither.
-_LAZY = {"fit": "raympi.driver.fit", "Result": "raympi.driver.fit", "FitConfig": "raympi.driver.config",
-         "MPIConfig": "raympi.driver.config", "load_checkpoint": "raympi.driver.checkpoint",
-         "LossScaling": "raympi.core", "TrainState": "raympi.core", "make_eval_step": "raympi.core",
-         "make_train_step": "raympi.core", "optim": "raympi.core"}
+_LAZY = {
+    "fit": "raympi.driver.fit",
+    "Result": "raympi.driver.fit",
+    "FitConfig": "raympi.driver.config",
+    "MPIConfig": "raympi.driver.config",
+    "load_checkpoint": "raympi.driver.checkpoint",
+    "LossScaling": "raympi.core",
+    "TrainState": "raympi.core",
+    "make_eval_step": "raympi.core",
+    "make_train_step": "raympi.core",
+    "optim": "raympi.core",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -37,7 +54,28 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CapacityError", "ConfigError", "FitConfig", "LossScaling", "FormationError", "MPIConfig", "MPIUnavailableError", "NonFiniteLossError",
-    "PreemptedError", "RaympiError", "RestartsExhaustedError", "Result", "StepTimeoutError", "TrainState", "TrainingError",
-    "WorkerLostError", "__version__", "callbacks", "comm", "fit", "load_checkpoint", "make_eval_step", "make_train_step", "optim",
+    "CapacityError",
+    "ConfigError",
+    "FitConfig",
+    "LossScaling",
+    "FormationError",
+    "MPIConfig",
+    "MPIUnavailableError",
+    "NonFiniteLossError",
+    "PreemptedError",
+    "RaympiError",
+    "RestartsExhaustedError",
+    "Result",
+    "StepTimeoutError",
+    "TrainState",
+    "TrainingError",
+    "WorkerLostError",
+    "__version__",
+    "callbacks",
+    "comm",
+    "fit",
+    "load_checkpoint",
+    "make_eval_step",
+    "make_train_step",
+    "optim",
 ]

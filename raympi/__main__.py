@@ -49,7 +49,9 @@ def check_connect_accept(timeout_s: float = 30.0) -> str | None:
         port = server.stdout.readline()
         if not port.strip():
             return "the accepting process printed no port: " + server.stderr.read().strip()[-300:]
-        client = subprocess.Popen(cmd + ["connect"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        client = subprocess.Popen(
+            cmd + ["connect"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         out, err = client.communicate(port, timeout=timeout_s)
         server.wait(timeout=timeout_s)
         if client.returncode or "ok" not in out:

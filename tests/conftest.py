@@ -17,11 +17,32 @@ import sys
 import pytest
 
 TIERS = {
-    "unit": {"test_accumulate", "test_checkpoint", "test_cluster_yaml", "test_config", "test_controller", "test_layers",
-             "test_lint", "test_mpi", "test_optim", "test_optim_state", "test_pipeline", "test_policy", "test_precision",
-             "test_state", "test_step"},
-    "system": {"test_benchmarks", "test_chaos", "test_driver_loss", "test_elastic", "test_gpu_carry", "test_multihost",
-               "test_ray_up"},
+    "unit": {
+        "test_accumulate",
+        "test_checkpoint",
+        "test_cluster_yaml",
+        "test_config",
+        "test_controller",
+        "test_layers",
+        "test_lint",
+        "test_mpi",
+        "test_optim",
+        "test_optim_state",
+        "test_pipeline",
+        "test_policy",
+        "test_precision",
+        "test_state",
+        "test_step",
+    },
+    "system": {
+        "test_benchmarks",
+        "test_chaos",
+        "test_driver_loss",
+        "test_elastic",
+        "test_gpu_carry",
+        "test_multihost",
+        "test_ray_up",
+    },
 }  # every other module: integration
 
 
@@ -40,6 +61,7 @@ def _unit_tests_start_no_ray(request):
     if request.node.get_closest_marker("unit") and "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()
         pytest.fail("a unit test left Ray running: move its module to another tier (tests/conftest.py TIERS)")
+
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

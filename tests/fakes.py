@@ -32,8 +32,10 @@ class FakeGroup:
 
 def failing_group(failure: Failure):
     """A group factory whose groups fail to start with ``failure`` (as a real one raises ``Failed``)."""
+
     def make(*args: Any, **kwargs: Any) -> FakeGroup:
         raise Failed(failure)
+
     return make
 
 
@@ -41,8 +43,13 @@ class ScriptedPipeline:
     """Plays steps ``start+1 .. plan.total`` in chunks of ``chunk``, rank 0's state saved at every
     checkpoint step of the plan; ``failures`` maps a step to the failure returned once it is done."""
 
-    def __init__(self, plan: ChunkPlan, chunk: int = 4, failures: dict[int, Failure] | None = None,
-                 state: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        plan: ChunkPlan,
+        chunk: int = 4,
+        failures: dict[int, Failure] | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> None:
         self.plan, self.chunk, self.failures = plan, chunk, dict(failures or {})
         self.state = state if state is not None else {"step": 0}
         self.starts: list[int] = []
@@ -52,8 +59,18 @@ class ScriptedPipeline:
         step = start
         while step < self.plan.total:
             last = min(self.plan.boundary(step), step + self.chunk)
-            records = [{"step": s, "epoch": (s - 1) // self.plan.steps_per_epoch, "loss": 1.0 / s, "samples": 8,
-                        "samples_per_s": 1000.0, "world_size": group.world, "time": time.time()} for s in range(step + 1, last + 1)]
+            records = [
+                {
+                    "step": s,
+                    "epoch": (s - 1) // self.plan.steps_per_epoch,
+                    "loss": 1.0 / s,
+                    "samples": 8,
+                    "samples_per_s": 1000.0,
+                    "world_size": group.world,
+                    "time": time.time(),
+                }
+                for s in range(step + 1, last + 1)
+            ]
             stop = hooks.completed(Chunk(step, last, []), records)
             if self.plan.wants_checkpoint(last):
                 stop = stop or hooks.save({**self.state, "step": last}, last)

@@ -46,8 +46,11 @@ def net() -> nn.Module:
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     ray.init(address=spec["address"], logging_level="ERROR", log_to_driver=False)
-    out = {"driver_host": socket.gethostname(), "nodes": [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]],
-           "spans_hosts": spans_hosts({"CPU": 1.0}, [])}
+    out = {
+        "driver_host": socket.gethostname(),
+        "nodes": [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]],
+        "spans_hosts": spans_hosts({"CPU": 1.0}, []),
+    }
     for run in spec["runs"]:
         options = dict(run["options"])
         options["optimizer"] = raympi.optim.sgd(0.05, momentum=0.9)

@@ -110,8 +110,13 @@ class NetnsCluster:
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of Ray processes and drivers here: token auth on, one torch thread."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, OMP_NUM_THREADS="1",
-                   RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+        env.update(
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN=self.token,
+            OMP_NUM_THREADS="1",
+            RAY_USAGE_STATS_ENABLED="0",
+            PYTHONUNBUFFERED="1",
+        )
         env.update(extra)
         return env
 
@@ -162,8 +167,13 @@ class NetnsCluster:
 
     def start_node(self, i: int, num_cpus: int = 1) -> None:
         host = self.hosts[i]
-        common = [f"--node-ip-address={host.ip}", f"--temp-dir={host.temp_dir}", f"--num-cpus={num_cpus}",
-                  "--object-store-memory=200000000", "--disable-usage-stats"]
+        common = [
+            f"--node-ip-address={host.ip}",
+            f"--temp-dir={host.temp_dir}",
+            f"--num-cpus={num_cpus}",
+            "--object-store-memory=200000000",
+            "--disable-usage-stats",
+        ]
         if i == 0:
             cmd = [RAY, "start", "--head", f"--port={RAY_PORT}", "--include-dashboard=false", *common]
         else:
@@ -176,8 +186,10 @@ class NetnsCluster:
 
     def alive_nodes(self) -> list[str]:
         """Addresses of the nodes the head reports alive (asked from inside host 0)."""
-        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR');"
-                "print('NODES', json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))" % self.address)
+        code = (
+            "import json, ray; ray.init(address=%r, logging_level='ERROR');"
+            "print('NODES', json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))" % self.address
+        )
         result = self.python("-c", code, timeout=60, check=False)
         if result.returncode != 0:
             return []
@@ -208,12 +220,16 @@ class NetnsCluster:
                 raise TimeoutError(f"after repairing {self.hosts[i].ns}: alive nodes {alive}")
             time.sleep(1)
 
-    def python(self, *args: str, timeout: float, check: bool = True, host: int = 0, **env: str) -> subprocess.CompletedProcess:
+    def python(
+        self, *args: str, timeout: float, check: bool = True, host: int = 0, **env: str
+    ) -> subprocess.CompletedProcess:
         """``python args`` inside a host (a driver), from the repository root, with a deadline."""
         result = sh(*self.hosts[host].exec(PYTHON, *args), env=self.env(**env), timeout=timeout, check=False, cwd=ROOT)
         if check and result.returncode != 0:
-            raise RuntimeError(f"{args} failed in {self.hosts[host].ns} (rc {result.returncode}):\n"
-                               f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+            raise RuntimeError(
+                f"{args} failed in {self.hosts[host].ns} (rc {result.returncode}):\n"
+                f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+            )
         return result
 
     def kill_host(self, i: int, sig: int = signal.SIGKILL) -> list[int]:
@@ -278,7 +294,11 @@ class NetnsCluster:
         """Namespaces, links or processes of this cluster still present (empty after teardown)."""
         found = [ns for ns in sh("ip", "netns", "list", check=False).stdout.split() if ns.startswith(f"rmp{self.tag}h")]
         links = sh("ip", "-o", "link", "show", check=False).stdout
-        found += [name for name in (self.bridge, *(f"rmp{self.tag}v{i}" for i in range(self.n))) if f" {name}:" in links or f" {name}@" in links]
+        found += [
+            name
+            for name in (self.bridge, *(f"rmp{self.tag}v{i}" for i in range(self.n)))
+            if f" {name}:" in links or f" {name}@" in links
+        ]
         return found
 
 
@@ -366,14 +386,43 @@ class SshHosts(NetnsCluster):
         pathlib.Path("/run/sshd").mkdir(exist_ok=True)
         script = f"mount --bind {tmp} /tmp && exec /usr/sbin/sshd -D -e -f {conf}"
         log = open(host.temp_dir / "sshd.log", "w")
-        proc = subprocess.Popen(host.exec("unshare", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
-                                          "--mount-proc", "sh", "-c", script), stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            host.exec(
+                "unshare",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount",
+                "--propagation",
+                "private",
+                "--mount-proc",
+                "sh",
+                "-c",
+                script,
+            ),
+            stdout=log,
+            stderr=log,
+        )
         self.sshd.append(proc)
 
     def ssh(self, i: int, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
-        return sh("ssh", "-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                  "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", f"{self.user}@{self.hosts[i].ip}", command,
-                  timeout=timeout, check=False)
+        return sh(
+            "ssh",
+            "-i",
+            str(self.key),
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=5",
+            f"{self.user}@{self.hosts[i].ip}",
+            command,
+            timeout=timeout,
+            check=False,
+        )
 
     def wait_ssh(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout

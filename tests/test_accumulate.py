@@ -40,8 +40,16 @@ def _train(sizes: list[int], accumulate: int, steps: int, precision: str = "fp32
 
         opt = optim.adam(1e-2)
         scaling = LossScaling(init_scale=2.0**10, growth_interval=5) if precision == "fp16" else None
-        step_fn = make_train_step(models[rank], loss_fn, opt, grad_sync=counted, rank=rank, accumulate=accumulate,
-                                  precision=precision, loss_scaling=scaling)
+        step_fn = make_train_step(
+            models[rank],
+            loss_fn,
+            opt,
+            grad_sync=counted,
+            rank=rank,
+            accumulate=accumulate,
+            precision=precision,
+            loss_scaling=scaling,
+        )
         state, history = TrainState.create(models[rank], opt), []
         lo = sum(sizes[:rank])
         for step in range(steps):
@@ -83,8 +91,11 @@ def test_accumulate_more_than_the_batch_uses_one_sample_each():
 
 
 def test_accumulate_with_bf16():
-    _assert_same_run(_train([20, 12], accumulate=3, steps=10, precision="bf16")[0],
-                     _train([20, 12], accumulate=1, steps=10, precision="bf16")[0], 2e-2)
+    _assert_same_run(
+        _train([20, 12], accumulate=3, steps=10, precision="bf16")[0],
+        _train([20, 12], accumulate=1, steps=10, precision="bf16")[0],
+        2e-2,
+    )
 
 
 class _OverflowAt:

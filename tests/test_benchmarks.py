@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _quick(script: str, timeout: int) -> subprocess.CompletedProcess:
     """Run ``benchmarks/<script> --quick``; it must exit 0."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     return proc
 
@@ -39,7 +44,11 @@ def test_recovery_benchmark_quick():
     """benchmarks/recovery.py --quick: one killed raympi worker, recovered, and a numeric row in the table."""
     proc = _quick("recovery.py", 240)
     assert re.search(r"^scenario\s+\|\s+median s\s+\|\s+min s\s+\|\s+max s", proc.stdout, re.M), proc.stdout
-    row = re.search(r"^raympi killed worker \((?:warm|cold)\)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|\s+1\s+\|", proc.stdout, re.M)
+    row = re.search(
+        r"^raympi killed worker \((?:warm|cold)\)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|\s+([0-9.]+)\s+\|\s+1\s+\|",
+        proc.stdout,
+        re.M,
+    )
     assert row, proc.stdout
     assert 0 < float(row.group(1)) < 120
 
@@ -47,16 +56,27 @@ def test_recovery_benchmark_quick():
 def test_compare_quick():
     """benchmarks/compare.py --quick: raympi, the mpiexec template, the floor and the raw allreduce run; the template ends with raympi's parameters."""
     proc = _quick("compare.py", 300)
-    assert re.search(r"^model\s+\|\s+W\s+\|\s+contender\s+\|\s+min\s+\|\s+median\s+\|\s+max\s+\|\s+ratio\s+\|", proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^model\s+\|\s+W\s+\|\s+contender\s+\|\s+min\s+\|\s+median\s+\|\s+max\s+\|\s+ratio\s+\|", proc.stdout, re.M
+    ), proc.stdout
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+raympi\s+\|\s+[0-9.]+\s+\|.*\|\s+ref\s*$", proc.stdout, re.M), proc.stdout
-    assert re.search(r"^cnn\s+\|\s+2\s+\|\s+mpiexec-template\s+\|\s+[0-9.]+\s+\|.*\|\s+PASS\b", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^cnn\s+\|\s+2\s+\|\s+mpiexec-template\s+\|\s+[0-9.]+\s+\|.*\|\s+PASS\b", proc.stdout, re.M), (
+        proc.stdout
+    )
     assert re.search(r"^cnn\s+\|\s+2\s+\|\s+floor\s+\|\s+[0-9.]+\s+\|", proc.stdout, re.M), proc.stdout
-    assert (ROOT / "benchmarks" / "out" / "compare.csv").exists() and (ROOT / "benchmarks" / "out" / "compare.png").exists()
-    assert re.search(r"^cnn\s+\|\s+2\s+\|\s+raw-allreduce\s+\|\s+[0-9.]+\s+\|.*\|\s+n/a", proc.stdout, re.M), proc.stdout
+    assert (ROOT / "benchmarks" / "out" / "compare.csv").exists() and (
+        ROOT / "benchmarks" / "out" / "compare.png"
+    ).exists()
+    assert re.search(r"^cnn\s+\|\s+2\s+\|\s+raw-allreduce\s+\|\s+[0-9.]+\s+\|.*\|\s+n/a", proc.stdout, re.M), (
+        proc.stdout
+    )
     # The figures are printed (whether a target is met is the full benchmark's business, not a smoke run's).
-    assert re.search(r"^  cnn W=2: raympi [0-9.]+ ms,\s+[0-9.]+x mpiexec-template .*\s+"
-                     r"[0-9.]+x floor [0-9.]+ \+ raw allreduce [0-9.]+ ms \(Ray actors, fit's transport, p10-p90 [0-9.]+-[0-9.]+\)",
-                     proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^  cnn W=2: raympi [0-9.]+ ms,\s+[0-9.]+x mpiexec-template .*\s+"
+        r"[0-9.]+x floor [0-9.]+ \+ raw allreduce [0-9.]+ ms \(Ray actors, fit's transport, p10-p90 [0-9.]+-[0-9.]+\)",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
 
 
 # slow: ~15 s; fit with checkpoints is covered throughout tests/test_fit.py and tests/test_checkpoint.py
@@ -65,7 +85,9 @@ def test_fit_overhead_quick():
     """benchmarks/fit_overhead.py --quick: fit, fit with checkpoints and the driverless workers all step."""
     proc = _quick("fit_overhead.py", 240)
     for mode in ("workers only", "fit", r"fit \+ ckpt/20"):
-        assert re.search(rf"^cnn\s+\|\s+{mode}\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+", proc.stdout, re.M), proc.stdout
+        assert re.search(
+            rf"^cnn\s+\|\s+{mode}\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+", proc.stdout, re.M
+        ), proc.stdout
 
 
 # slow: ~11 s; compression on the wire through fit is tests/test_fit.py's bf16 test
@@ -73,7 +95,12 @@ def test_fit_overhead_quick():
 def test_compression_quick():
     """benchmarks/compression.py --quick: fp32, bf16 and fp16 on the wire over OFI/tcp, with their errors."""
     proc = _quick("compression.py", 180)
-    errors = {m.group(1): float(m.group(3)) for m in re.finditer(r"^ofi\s+\|\s+(fp32|bf16|fp16)\s*\|\s+([0-9.]+)\s+\|\s+[0-9.]+x\s+\|\s+([0-9.e+-]+)", proc.stdout, re.M)}
+    errors = {
+        m.group(1): float(m.group(3))
+        for m in re.finditer(
+            r"^ofi\s+\|\s+(fp32|bf16|fp16)\s*\|\s+([0-9.]+)\s+\|\s+[0-9.]+x\s+\|\s+([0-9.e+-]+)", proc.stdout, re.M
+        )
+    }
     assert set(errors) == {"fp32", "bf16", "fp16"}, proc.stdout
     assert errors["fp32"] < 1e-6 < errors["fp16"] < errors["bf16"] < 1e-2, errors
 
@@ -84,11 +111,19 @@ def test_data_benchmark_quick():
     """benchmarks/data.py --quick: raympi on the augmented Dataset (both loader settings), the cheap transform,
     the in-memory tensors, torchrun + DDP and Ray Train each train and get a throughput."""
     proc = _quick("data.py", 600)
-    assert re.search(r"^contender\s+\|\s+what\s+\|\s+min\s+\|\s+median\s+\|\s+max\s+\|\s+x ref\s+\|\s+start s", proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^contender\s+\|\s+what\s+\|\s+min\s+\|\s+median\s+\|\s+max\s+\|\s+x ref\s+\|\s+start s", proc.stdout, re.M
+    ), proc.stdout
     for name in ("raympi-tv-lw0", "raympi-tv-lw1", "raympi-torch-op", "raympi-tensors", "torchrun-ddp", "raytrain"):
-        assert re.search(rf"^{name}\s+\|[^|]+\|\s+[0-9]+\s+\|\s+[0-9]+\s+\|\s+[0-9]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s*$", proc.stdout, re.M), proc.stdout
+        assert re.search(
+            rf"^{name}\s+\|[^|]+\|\s+[0-9]+\s+\|\s+[0-9]+\s+\|\s+[0-9]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s*$",
+            proc.stdout,
+            re.M,
+        ), proc.stdout
     assert re.search(r"^  raympi-tv-lw0: [0-9.]+x torchrun-DDP's throughput", proc.stdout, re.M), proc.stdout
-    assert (ROOT / "benchmarks" / "out" / "data_quick.csv").exists() and (ROOT / "benchmarks" / "out" / "data_quick.txt").exists()
+    assert (ROOT / "benchmarks" / "out" / "data_quick.csv").exists() and (
+        ROOT / "benchmarks" / "out" / "data_quick.txt"
+    ).exists()
 
 
 # slow: ~15-60 s (four worker processes start); that fit's workers get one arena is tests/test_fit.py's
@@ -97,8 +132,14 @@ def test_malloc_arenas_quick():
     """benchmarks/malloc_arenas.py --quick: both settings run a fresh pair of ranks and fill a table row each;
     with one arena a step page-faults at most a little."""
     proc = _quick("malloc_arenas.py", 300)
-    rows = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r"^(glibc default|MALLOC_ARENA_MAX=1)\s+\|\s+0\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+([0-9.]+)$", proc.stdout, re.M)}
+    rows = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r"^(glibc default|MALLOC_ARENA_MAX=1)\s+\|\s+0\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+([0-9.]+)$",
+            proc.stdout,
+            re.M,
+        )
+    }
     assert set(rows) == {"glibc default", "MALLOC_ARENA_MAX=1"}, proc.stdout
     assert rows["MALLOC_ARENA_MAX=1"] < 50, proc.stdout
 
@@ -109,7 +150,9 @@ def test_driver_memory_quick():
     """benchmarks/driver_memory.py --quick: a lazy Dataset of two sizes, the driver's RSS growth and start time for each."""
     proc = _quick("driver_memory.py", 300)
     for label in ("lazy, 4 MB nominal", "lazy, 400 MB nominal", "in-memory tensors \\(control\\)"):
-        row = re.search(rf"^{label}\s+\|\s+[0-9,]+\s+\|\s+(-?[0-9.]+) \(.*\)\s+\|.*\|\s+([0-9.]+) \(", proc.stdout, re.M)
+        row = re.search(
+            rf"^{label}\s+\|\s+[0-9,]+\s+\|\s+(-?[0-9.]+) \(.*\)\s+\|.*\|\s+([0-9.]+) \(", proc.stdout, re.M
+        )
         assert row, proc.stdout
         assert 0 < float(row.group(2)) < 120
     assert re.search(r"^  peak RSS growth, largest over the lazy sizes: -?[0-9.]+ MB", proc.stdout, re.M), proc.stdout
@@ -121,19 +164,35 @@ def test_driver_memory_quick():
 def test_survivors_quick():
     """benchmarks/survivors.py --quick: two kill trials under raympi's default transport, reported as a table."""
     proc = _quick("survivors.py", 300)
-    assert re.search(r"^setting\s+\|\s+trials\s+\|\s+survivor crashes\s+\|\s+other failures\s+\|\s+23.3 MB ms\s+\|\s+4 KB ms", proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^setting\s+\|\s+trials\s+\|\s+survivor crashes\s+\|\s+other failures\s+\|\s+23.3 MB ms\s+\|\s+4 KB ms",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
     # two trials under the default transport, each a survivor crash or not (UCX's CMA may take one down)
-    assert re.search(r"^default\s+\|\s+2\s+\|\s+\d+\s+\|\s+\d+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|", proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^default\s+\|\s+2\s+\|\s+\d+\s+\|\s+\d+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|", proc.stdout, re.M
+    ), proc.stdout
 
 
 def test_scale_quick():
     """benchmarks/scale.py --quick: light members form and reduce; the driver's CPU per chunk with instant workers."""
     proc = _quick("scale.py", 180)
     for n in (2, 4):
-        assert re.search(rf"^\s+{n} |\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|", proc.stdout, re.M), proc.stdout
-    assert re.search(r"^  alpha-beta at N=2 \(not oversubscribed\): latency \(8 B allreduce\) [0-9.]+ us", proc.stdout, re.M), proc.stdout
+        assert re.search(
+            rf"^\s+{n} |\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|",
+            proc.stdout,
+            re.M,
+        ), proc.stdout
+    assert re.search(
+        r"^  alpha-beta at N=2 \(not oversubscribed\): latency \(8 B allreduce\) [0-9.]+ us", proc.stdout, re.M
+    ), proc.stdout
     for k in (1, 4):
-        assert re.search(rf"^\s+4 \|\s+{k} \|\s+\d+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+\d+% \|\s+\d+%", proc.stdout, re.M), proc.stdout
+        assert re.search(
+            rf"^\s+4 \|\s+{k} \|\s+\d+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+[0-9.]+ \|\s+\d+% \|\s+\d+%",
+            proc.stdout,
+            re.M,
+        ), proc.stdout
 
 
 def test_gpu_check_cpu_mode_smoke(tmp_path):
@@ -142,11 +201,21 @@ def test_gpu_check_cpu_mode_smoke(tmp_path):
     import json
     import os
 
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--stages", "env,nccl1,sync"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180, env={**os.environ, "OUT": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--stages", "env,nccl1,sync"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
-    assert {k: v["status"] for k, v in report["stages"].items()} == {"env": "ok", "nccl1": "ok", "sync": "ok"}, proc.stdout
+    assert {k: v["status"] for k, v in report["stages"].items()} == {"env": "ok", "nccl1": "ok", "sync": "ok"}, (
+        proc.stdout
+    )
     assert report["stages"]["nccl1"]["result"]["all_match"] is True, proc.stdout
     rows = report["stages"]["sync"]["result"]["rows"]
-    assert [r["transport"] for r in rows] == ["mpi", "gloo"] and all(r["1 MB tree"] > 0 and r["8 MB buckets"] > 0 for r in rows), rows
+    assert [r["transport"] for r in rows] == ["mpi", "gloo"] and all(
+        r["1 MB tree"] > 0 and r["8 MB buckets"] > 0 for r in rows
+    ), rows

@@ -40,7 +40,9 @@ def test_no_temporary_folders_left_and_weights_only(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step-00000001"]
     assert sorted(os.listdir(path)) == ["manifest.json", "state.pt"]
     torch.load(os.path.join(path, "state.pt"), weights_only=True)  # plain tensors only
-    assert json.loads(open(os.path.join(path, "manifest.json")).read())["bytes"] == os.path.getsize(os.path.join(path, "state.pt"))
+    assert json.loads(open(os.path.join(path, "manifest.json")).read())["bytes"] == os.path.getsize(
+        os.path.join(path, "state.pt")
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no-manifest"])
@@ -87,4 +89,7 @@ def test_a_write_removes_leftovers_of_dead_writers_only(tmp_path):
     store = CheckpointStore(str(tmp_path), keep=3)
     assert store.latest() is None  # leftovers are never taken for checkpoints
     store.save(_state(7), {"step": 7})
-    assert sorted(os.listdir(tmp_path)) == [".step-00000006.tmp-1", "step-00000007"]  # PID 1 is alive: a write in progress
+    assert sorted(os.listdir(tmp_path)) == [
+        ".step-00000006.tmp-1",
+        "step-00000007",
+    ]  # PID 1 is alive: a write in progress

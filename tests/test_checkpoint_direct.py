@@ -23,8 +23,16 @@ from raympi.driver import fit as fit_module
 from raympi.driver.checkpoint import CheckpointStore
 
 N = 512
-OPTIONS = dict(epochs=2, batch_size=32, checkpoint_every=4, progress=False, seed=1,
-               optimizer=raympi.optim.sgd(0.05, momentum=0.9), step_timeout_s=8.0, restart_timeout_s=30.0)
+OPTIONS = dict(
+    epochs=2,
+    batch_size=32,
+    checkpoint_every=4,
+    progress=False,
+    seed=1,
+    optimizer=raympi.optim.sgd(0.05, momentum=0.9),
+    step_timeout_s=8.0,
+    restart_timeout_s=30.0,
+)
 
 
 def _data():
@@ -105,8 +113,14 @@ def test_resume_from_rank0_checkpoints_ends_on_the_uninterrupted_run(driver_writ
 def test_storage_that_rank0_cannot_see_is_written_by_the_driver_with_a_warning(ray_session, stores):
     root = "memory://raympi-direct-test/run"  # the driver process's memory: the workers cannot see it
     with pytest.warns(UserWarning, match="rank 0 on .* cannot see .*is not storage that rank 0 shares with the driver"):
-        result = raympi.fit(_net(), _data(), workers=2, checkpoint_dir=root, direct_checkpoint_bytes=1,
-                            **{**OPTIONS, "epochs": 1, "checkpoint_every": 0})
+        result = raympi.fit(
+            _net(),
+            _data(),
+            workers=2,
+            checkpoint_dir=root,
+            direct_checkpoint_bytes=1,
+            **{**OPTIONS, "epochs": 1, "checkpoint_every": 0},
+        )
     assert stores[0].received_bytes > 0
     path, manifest, state = CheckpointStore(root).latest()
     assert manifest["step"] == 16 and "written_by" not in manifest
@@ -122,8 +136,12 @@ def _ranks_since(start: float, least: int = 2, timeout: float = 20.0) -> list[ps
         found = []
         for p in psutil.process_iter(["cmdline", "status", "create_time"]):
             cmd = p.info["cmdline"] or []
-            if (cmd and cmd[0].startswith("ray::Worker.run") and p.info["status"] != psutil.STATUS_ZOMBIE
-                    and p.info["create_time"] >= start):
+            if (
+                cmd
+                and cmd[0].startswith("ray::Worker.run")
+                and p.info["status"] != psutil.STATUS_ZOMBIE
+                and p.info["create_time"] >= start
+            ):
                 found.append(p)
         if len(found) >= least or time.monotonic() > deadline:
             return sorted(found, key=lambda p: p.info["create_time"])
@@ -183,7 +201,10 @@ def test_rank0_lost_midway_costs_that_checkpoint_only(ray_session, tmp_path):
     store.save_async(request, {"step": 8})
     ray.get(request.ref)
     ray.kill(actor)
-    with pytest.warns(UserWarning, match="step-00000008 not written: rank 0 was lost while writing .*the newest checkpoint is still step-00000004"):
+    with pytest.warns(
+        UserWarning,
+        match="step-00000008 not written: rank 0 was lost while writing .*the newest checkpoint is still step-00000004",
+    ):
         store.wait(strict=True)  # a lost checkpoint, not an error
     assert [step for _, step, _ in store.drain_saved()] == []  # step 4 was saved directly, 8 never
     assert sorted(os.listdir(tmp_path)) == ["step-00000004"]

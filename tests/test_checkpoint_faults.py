@@ -33,8 +33,10 @@ def _state(step: int, mb: float = 2.0) -> dict:
     """A state of about ``mb`` megabytes whose values depend on ``step``."""
     rows = int(mb * 1e6 / 4 / 1024)
     generator = torch.Generator().manual_seed(step)
-    return {"params": {"w": torch.randn(rows, 1024, generator=generator), "b": torch.full((7,), float(step))},
-            "step": torch.tensor(step)}
+    return {
+        "params": {"w": torch.randn(rows, 1024, generator=generator), "b": torch.full((7,), float(step))},
+        "step": torch.tensor(step),
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -42,7 +44,9 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _leaves(tree: dict) -> list[torch.Tensor]:
-    return [leaf for key in sorted(tree) for leaf in (_leaves(tree[key]) if isinstance(tree[key], dict) else [tree[key]])]
+    return [
+        leaf for key in sorted(tree) for leaf in (_leaves(tree[key]) if isinstance(tree[key], dict) else [tree[key]])
+    ]
 
 
 def _arm(point: int) -> None:
@@ -60,10 +64,19 @@ def _arm(point: int) -> None:
             out = fn(*args, **kwargs)
             tick()
             return out
+
         return wrapped
 
-    for module, name in [(os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "unlink"),
-                         (os, "remove"), (os, "rmdir"), (shutil, "rmtree")]:
+    for module, name in [
+        (os, "fsync"),
+        (os, "rename"),
+        (os, "replace"),
+        (os, "mkdir"),
+        (os, "unlink"),
+        (os, "remove"),
+        (os, "rmdir"),
+        (shutil, "rmtree"),
+    ]:
         setattr(module, name, wrap(getattr(module, name)))
 
     class Torn:
@@ -77,14 +90,16 @@ def _arm(point: int) -> None:
             self._f.write(view[: len(view) // 2])
             self._f.flush()
             tick()
-            self._f.write(view[len(view) // 2:])
+            self._f.write(view[len(view) // 2 :])
             return len(view)
 
         def __getattr__(self, name):
             return getattr(self._f, name)
 
     real_open = builtins.open
-    builtins.open = lambda file, mode="r", *a, **kw: (Torn if "w" in mode else (lambda f: f))(real_open(file, mode, *a, **kw))
+    builtins.open = lambda file, mode="r", *a, **kw: (Torn if "w" in mode else (lambda f: f))(
+        real_open(file, mode, *a, **kw)
+    )
 
 
 def _fork_writer(root: str, keep: int, state: dict, step: int, point: int, direct: bool = False) -> bool:
@@ -120,8 +135,15 @@ def _fork_writer(root: str, keep: int, state: dict, step: int, point: int, direc
     return False
 
 
-@pytest.mark.parametrize("case", ["new step, pruned to keep=1", "same step again, keep=2", "direct: new step, keep=1",
-                                  "direct: same step again, keep=2"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "new step, pruned to keep=1",
+        "same step again, keep=2",
+        "direct: new step, keep=1",
+        "direct: same step again, keep=2",
+    ],
+)
 def test_a_kill_at_any_point_of_a_write_never_leaves_a_newest_checkpoint_that_loads_wrong(tmp_path, case):
     direct = case.startswith("direct: ")
     keep, again = (1, False) if case.removeprefix("direct: ").startswith("new") else (2, True)
@@ -208,8 +230,10 @@ def test_a_full_disk_costs_one_checkpoint_with_a_warning_and_training_goes_on(sm
         torch.save(_state(20), buffer)
         filler = _fill(small_disk, -(-len(buffer.getvalue()) // 4096) * 4096)
     store.save_async(_state(20, mb=10 if fails_at == "state.pt" else 2), {"step": 20})
-    pattern = (rf"checkpoint step-00000020 not written: no space left on {re.escape(small_disk)} "
-               r"\((\d+\.\d) MB free, (\d+\.\d) MB needed\); the newest checkpoint is still step-00000010; training goes on")
+    pattern = (
+        rf"checkpoint step-00000020 not written: no space left on {re.escape(small_disk)} "
+        r"\((\d+\.\d) MB free, (\d+\.\d) MB needed\); the newest checkpoint is still step-00000010; training goes on"
+    )
     with pytest.warns(UserWarning, match=pattern) as record:
         store.wait(strict=True)  # what the controller calls at a planned stop and at the end: no raise
     free, needed = map(float, re.search(pattern, str(record[0].message)).groups())
@@ -233,8 +257,11 @@ def test_other_storage_errors_warn_too_but_a_bad_state_still_raises(small_disk):
     subprocess.run(["mount", "-o", "remount,ro", small_disk], check=True)
     try:
         store.save_async(_state(20, mb=0.1), {"step": 20})
-        with pytest.warns(UserWarning, match=rf"step-00000020 not written: Read-only file system on {re.escape(small_disk)}; "
-                                             "the newest checkpoint is still step-00000010; training goes on"):
+        with pytest.warns(
+            UserWarning,
+            match=rf"step-00000020 not written: Read-only file system on {re.escape(small_disk)}; "
+            "the newest checkpoint is still step-00000010; training goes on",
+        ):
             store.wait(strict=True)
     finally:
         subprocess.run(["mount", "-o", "remount,rw", small_disk], check=True)
@@ -265,5 +292,13 @@ def test_fit_with_an_unwritable_checkpoint_dir_fails_before_any_actor_starts(tmp
     blocker.write_text("x")
     data = (torch.randn(16, 3), torch.randint(0, 2, (16,)))
     with pytest.raises(ConfigError, match="not writable"):
-        raympi.fit(torch.nn.Linear(3, 2), data, workers=2, epochs=1, batch_size=8, checkpoint_dir=str(blocker / "ck"), progress=False)
+        raympi.fit(
+            torch.nn.Linear(3, 2),
+            data,
+            workers=2,
+            epochs=1,
+            batch_size=8,
+            checkpoint_dir=str(blocker / "ck"),
+            progress=False,
+        )
     assert not ray.is_initialized()

@@ -35,8 +35,10 @@ def _peer_class(ray):
 
         def fault_joins(self):
             """From now on this member's joins fault after merging (freeing what a merge leaves behind fails)."""
+
             def release(*args):
                 raise RuntimeError("injected fault")
+
             self._release = release
 
         def reduce(self, tensors, bucket_bytes):
@@ -123,7 +125,12 @@ def test_allreduce_empty_list_and_list_order(ray_session, pool):
     comm.form(peers, timeout_s=60)
     empty = ray_session.get([p.reduce.remote([], 1024) for p in peers])
     assert all(out == [] and calls == [] for out, calls in empty)
-    lists = ray_session.get([p.reduce.remote([torch.full((3,), float(r)), torch.ones(2, dtype=torch.float64)], 1 << 20) for r, p in enumerate(peers)])
+    lists = ray_session.get(
+        [
+            p.reduce.remote([torch.full((3,), float(r)), torch.ones(2, dtype=torch.float64)], 1 << 20)
+            for r, p in enumerate(peers)
+        ]
+    )
     for out, calls in lists:
         assert out[0].tolist() == [3.0, 3.0, 3.0] and out[1].tolist() == [3.0, 3.0]
         assert len(calls) == 2
@@ -205,7 +212,9 @@ def test_a_member_whose_join_faulted_fails_the_agreement_everywhere(ray_session)
     Peer = _peer_class(ray_session)
     peers = [Peer.remote() for _ in range(3)]
     ray_session.get([p.witness_agreement.remote(True) for p in peers] + [peers[1].fault_joins.remote()])
-    agreement = r"the closing agreement of 3 ranks failed: rank 1 of 3 on \S+: merge round 1: RuntimeError: injected fault"
+    agreement = (
+        r"the closing agreement of 3 ranks failed: rank 1 of 3 on \S+: merge round 1: RuntimeError: injected fault"
+    )
 
     # Every member, not only the one at fault, raises the same FormationError (witnesses return it).
     outcomes = comm.form(peers, timeout_s=60)
@@ -226,7 +235,9 @@ def test_large_tensors_are_reduced_where_they_lie(ray_session, pool):
     comm.form(peers, timeout_s=60)
 
     big = INPLACE_MIN_BYTES // 4  # float32 elements of the smallest in-place tensor
-    results = ray_session.get([p.reduce.remote([torch.full((big + 1,), float(r + 1)), torch.ones(3)], 1 << 20) for r, p in enumerate(peers)])
+    results = ray_session.get(
+        [p.reduce.remote([torch.full((big + 1,), float(r + 1)), torch.ones(3)], 1 << 20) for r, p in enumerate(peers)]
+    )
     for out, calls in results:
         assert torch.equal(out[0], torch.full((big + 1,), 3.0)) and out[1].tolist() == [2.0, 2.0, 2.0]
         assert sorted(calls) == [3, big + 1]  # the big one alone (in place), the small one packed
@@ -239,10 +250,14 @@ def test_compressed_allreduce_sums_float32_as_16bit(ray_session, pool, compressi
     comm.form(peers, timeout_s=60)
     wire = {"bf16": torch.bfloat16, "fp16": torch.float16}[compression]
     g = torch.Generator().manual_seed(0)
-    inputs = [{"w": torch.randn(3000, generator=g), "i": _inputs(r)["e"].clone(), "exact": torch.full((5,), float(r))}
-              for r in range(3)]
+    inputs = [
+        {"w": torch.randn(3000, generator=g), "i": _inputs(r)["e"].clone(), "exact": torch.full((5,), float(r))}
+        for r in range(3)
+    ]
     bucket_bytes = 1000  # several buckets of 500 16-bit values
-    results = ray_session.get([p.reduce_compressed.remote(inputs[r], compression, bucket_bytes) for r, p in enumerate(peers)])
+    results = ray_session.get(
+        [p.reduce_compressed.remote(inputs[r], compression, bucket_bytes) for r, p in enumerate(peers)]
+    )
     exact = sum(x["w"].double() for x in inputs)
     # Each rank's values rounded to 16 bits, then each pairwise sum rounded again, in the op's order.
     rounded = ((inputs[0]["w"].to(wire) + inputs[1]["w"].to(wire)) + inputs[2]["w"].to(wire)).double()

@@ -9,14 +9,17 @@ from raympi.driver.data import epoch_order, rank_slices, steps_per_epoch
 from raympi.exceptions import ConfigError
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"workers": 2, "batch_size": 1}, "batch_size=1 is smaller than workers=2"),
-    ({"min_workers": 5, "workers": 4}, "min_workers=5 is larger than workers=4"),
-    ({"step_timeout_s": 0}, "step_timeout_s"),
-    ({"mpi": {"netmod": "tcp"}}, "mpi.netmod"),
-    ({"compression": "int8"}, "compression"),
-    ({"checkpoint_evry": 5}, "unknown option 'checkpoint_evry'"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"workers": 2, "batch_size": 1}, "batch_size=1 is smaller than workers=2"),
+        ({"min_workers": 5, "workers": 4}, "min_workers=5 is larger than workers=4"),
+        ({"step_timeout_s": 0}, "step_timeout_s"),
+        ({"mpi": {"netmod": "tcp"}}, "mpi.netmod"),
+        ({"compression": "int8"}, "compression"),
+        ({"checkpoint_evry": 5}, "unknown option 'checkpoint_evry'"),
+    ],
+)
 def test_bad_options_name_the_field(options, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         parse_config(**options)

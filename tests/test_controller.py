@@ -24,8 +24,15 @@ from raympi.exceptions import CapacityError, TrainingError
 def _controller(tmp_path, pipeline, capacity=lambda bundle: 3, new_group=FakeGroup, **options):
     cfg = parse_config(workers=3, min_workers=2, batch_size=24, restart_timeout_s=0.5, **options)
     store = CheckpointStore(str(tmp_path), keep=2)
-    return Controller(cfg, spec=type("Spec", (), {"device": "cpu"})(), pipeline=pipeline, store=store, run=RunState(),
-                      new_group=new_group, capacity=capacity), store
+    return Controller(
+        cfg,
+        spec=type("Spec", (), {"device": "cpu"})(),
+        pipeline=pipeline,
+        store=store,
+        run=RunState(),
+        new_group=new_group,
+        capacity=capacity,
+    ), store
 
 
 def _lines(tmp_path) -> list[dict]:
@@ -40,7 +47,11 @@ def test_a_run_to_the_end_logs_every_step_once_and_manifests_carry_no_history(tm
     assert run.step == 30 and [r["step"] for r in run.history] == list(range(1, 31))
     assert [r["step"] for r in _lines(tmp_path)] == list(range(1, 31))  # appended at 10, 20, 30: each step once
     manifest = json.loads((tmp_path / "step-00000030" / "manifest.json").read_text())
-    assert "history" not in manifest and manifest["metrics"]["step"] == 30 and manifest["cursor"] == {"epoch": 3, "step_in_epoch": 0}
+    assert (
+        "history" not in manifest
+        and manifest["metrics"]["step"] == 30
+        and manifest["cursor"] == {"epoch": 3, "step_in_epoch": 0}
+    )
     assert run.restarts == () and run.phase.value == "done"
 
 
@@ -52,7 +63,13 @@ def test_a_cold_restart_goes_back_to_the_checkpoint_and_logs_the_redone_steps_ag
     store.close()
     assert pipeline.starts == [0, 20]  # restored from the checkpoint of step 20
     (record,) = run.restarts
-    assert (record.kind, record.path, record.restored_step, record.steps_lost, record.world_after) == ("collective", "cold", 20, 5, 3)
+    assert (record.kind, record.path, record.restored_step, record.steps_lost, record.world_after) == (
+        "collective",
+        "cold",
+        20,
+        5,
+        3,
+    )
     assert record.recovery_s is not None and record.recovery_s >= record.reform_s >= 0 and record.first_step_s >= 0
     assert [r["step"] for r in run.history] == list(range(1, 31))  # the trajectory: each step once
     logged = [r["step"] for r in _lines(tmp_path)]

@@ -57,7 +57,9 @@ def _net() -> nn.Module:
 
 
 def _fit(dataset, tmp_path, name, **kw):
-    return raympi.fit(kw.pop("model", None) or _net(), dataset, checkpoint_dir=str(tmp_path / name), **{**OPTIONS, **kw})
+    return raympi.fit(
+        kw.pop("model", None) or _net(), dataset, checkpoint_dir=str(tmp_path / name), **{**OPTIONS, **kw}
+    )
 
 
 def _max_diff(a, b) -> float:
@@ -114,11 +116,15 @@ def test_two_input_models_train_from_datasets_and_tensors(ray_session, tmp_path)
     x, y = _base()
     z = x[:, :3] * 2
     forms = {
-        "tuple tensors": ((x, z), y), "dict tensors": ({"a": x, "b": z}, y),
-        "tuple dataset": PairDataset(as_dict=False), "dict dataset": PairDataset(as_dict=True),
+        "tuple tensors": ((x, z), y),
+        "dict tensors": ({"a": x, "b": z}, y),
+        "tuple dataset": PairDataset(as_dict=False),
+        "dict dataset": PairDataset(as_dict=True),
     }
-    results = {name: _fit(data, tmp_path, name.replace(" ", "-"), workers=2, epochs=2, model=TwoInputs())
-               for name, data in forms.items()}
+    results = {
+        name: _fit(data, tmp_path, name.replace(" ", "-"), workers=2, epochs=2, model=TwoInputs())
+        for name, data in forms.items()
+    }
     first = results["tuple tensors"]
     assert first.metrics[-1]["loss"] < first.metrics[0]["loss"]
     for name, result in results.items():  # the same samples in the same order: the same training
@@ -135,8 +141,11 @@ class Poisoned(Noisy):
 @pytest.mark.parametrize("loader_workers", [0, 1])
 def test_an_item_that_raises_names_the_index_rank_and_host(ray_session, tmp_path, loader_workers):
     start = time.monotonic()
-    with pytest.raises(TrainingError, match=r"rank \d of 2 on \S+ raised TrainingError: reading sample 23 \(epoch \d\) "
-                                            r"raised ValueError: sample 23 is unreadable") as info:
+    with pytest.raises(
+        TrainingError,
+        match=r"rank \d of 2 on \S+ raised TrainingError: reading sample 23 \(epoch \d\) "
+        r"raised ValueError: sample 23 is unreadable",
+    ) as info:
         _fit(Poisoned(), tmp_path, "ck", workers=2, epochs=2, loader_workers=loader_workers)
     assert "Traceback of the read" in str(info.value) and "__getitem__" in str(info.value)
     assert time.monotonic() - start < 60
@@ -162,17 +171,23 @@ class Ragged(Noisy):
 
 
 def test_items_of_inconsistent_shape_show_both_shapes(ray_session, tmp_path):
-    with pytest.raises(TrainingError, match=r"do not fit together.*\(tensor\(6,\) torch.float32, tensor\(\) torch.int64\)"
-                                            r".*sample 5 is \(tensor\(4,\) torch.float32"):
+    with pytest.raises(
+        TrainingError,
+        match=r"do not fit together.*\(tensor\(6,\) torch.float32, tensor\(\) torch.int64\)"
+        r".*sample 5 is \(tensor\(4,\) torch.float32",
+    ):
         _fit(Ragged(), tmp_path, "ck", workers=1, epochs=1, batch_size=N, loader_workers=0, seed=0)
 
 
-@pytest.mark.parametrize("dataset, words", [
-    (torch.utils.data.Subset(Noisy(), []), "dataset is empty"),
-    (torch.utils.data.Subset(Noisy(), range(10)), "10 samples, fewer than batch_size=24"),
-    (((torch.zeros(5, 2), torch.zeros(4, 2)), torch.zeros(5)), "disagree in length"),
-    (42, "must be an (inputs, targets) tuple"),
-])
+@pytest.mark.parametrize(
+    "dataset, words",
+    [
+        (torch.utils.data.Subset(Noisy(), []), "dataset is empty"),
+        (torch.utils.data.Subset(Noisy(), range(10)), "10 samples, fewer than batch_size=24"),
+        (((torch.zeros(5, 2), torch.zeros(4, 2)), torch.zeros(5)), "disagree in length"),
+        (42, "must be an (inputs, targets) tuple"),
+    ],
+)
 def test_bad_datasets_are_config_errors_before_any_actor(dataset, words, tmp_path, capsys):
     with pytest.raises(ConfigError) as info:
         _fit(dataset, tmp_path, "ck", workers=2, progress=None)
@@ -207,8 +222,15 @@ def test_the_driver_never_materializes_a_large_dataset(ray_session, tmp_path):
     thread.start()
     try:  # 400,000 samples of 1,024 float32: 1.6 GB if it were ever materialized
         torch.manual_seed(0)
-        result = raympi.fit(nn.Linear(1024, 2), Lazy(400_000, 1024), workers=2, max_steps=3, batch_size=32,
-                            progress=False, checkpoint_dir=str(tmp_path / "ck"))
+        result = raympi.fit(
+            nn.Linear(1024, 2),
+            Lazy(400_000, 1024),
+            workers=2,
+            max_steps=3,
+            batch_size=32,
+            progress=False,
+            checkpoint_dir=str(tmp_path / "ck"),
+        )
     finally:
         stop.set()
         thread.join()

@@ -61,12 +61,23 @@ def _env() -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": "", "OMP_NUM_THREADS": "1"}
 
 
-def _driver(folder: pathlib.Path, params: pathlib.Path, mode: str, address: str, log: pathlib.Path,
-            extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+def _driver(
+    folder: pathlib.Path,
+    params: pathlib.Path,
+    mode: str,
+    address: str,
+    log: pathlib.Path,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     """A driver process in a session of its own (its sid is its pid: everything it starts is found by that)."""
-    return subprocess.Popen([sys.executable, "-c", DRIVER, str(folder), str(params), mode, address],
-                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env={**_env(), **(extra_env or {})},
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(folder), str(params), mode, address],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env={**_env(), **(extra_env or {})},
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, log: pathlib.Path, timeout: float = 300) -> dict:
@@ -151,8 +162,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_driver_at(proc: subprocess.Popen, folder: pathlib.Path, log: pathlib.Path, step: int = 20,
-                    cluster_sid: int | None = None) -> tuple[dict[psutil.Process, str], list[psutil.Process]]:
+def _kill_driver_at(
+    proc: subprocess.Popen, folder: pathlib.Path, log: pathlib.Path, step: int = 20, cluster_sid: int | None = None
+) -> tuple[dict[psutil.Process, str], list[psutil.Process]]:
     """SIGKILL the driver alone (not its group: a crash, not a Ctrl-C) once the checkpoint of ``step`` exists.
 
     Returns what was alive just before: the driver's descendants with their titles, and raympi's actors
@@ -217,8 +229,10 @@ def test_killed_driver_leaves_nothing_and_resume_ends_on_the_uninterrupted_run(t
     _kill(left)
     assert not left, f"still alive 30 s after the driver's SIGKILL: {_describe(left)}"
     worker_times = [gone[p.pid] for p in watched if descendants.get(p, "").startswith("ray::Worker")]
-    print(f"\nlocal run: {len(watched)} processes of the killed driver gone within {max(gone.values()):.1f} s "
-          f"(its ray::Worker actors after {min(worker_times):.1f}-{max(worker_times):.1f} s)")
+    print(
+        f"\nlocal run: {len(watched)} processes of the killed driver gone within {max(gone.values()):.1f} s "
+        f"(its ray::Worker actors after {min(worker_times):.1f}-{max(worker_times):.1f} s)"
+    )
 
     # The newest intact checkpoint (the driver may have died writing a later one: that one is still a .tmp).
     newest = max(int(p.name[5:]) for p in folder.glob("step-*"))
@@ -244,11 +258,27 @@ def test_on_an_external_cluster_ray_kills_the_dead_drivers_actors(tmp_path, reap
     temp = tempfile.mkdtemp(prefix="rdl", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # as README's clusters: token auth on
     port = _free_port()
-    head = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
-                             "--num-cpus", "2", "--port", str(port), "--include-dashboard", "false",
-                             "--temp-dir", temp, "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "head.log").open("w"),
-                            env={**_env(), **auth}, start_new_session=True)
+    head = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus",
+            "2",
+            "--port",
+            str(port),
+            "--include-dashboard",
+            "false",
+            "--temp-dir",
+            temp,
+            "--disable-usage-stats",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "head.log").open("w"),
+        env={**_env(), **auth},
+        start_new_session=True,
+    )
     reaper.append(head.pid)  # `ray stop` would stop every Ray instance of this user: this one goes by its pids
     try:
         # Started at once: its imports overlap the head's start, and ray.init waits for the head's GCS.

@@ -24,8 +24,16 @@ import raympi
 from raympi.exceptions import CapacityError, RestartsExhaustedError, TrainingError
 
 N = 2048
-OPTIONS = dict(epochs=4, batch_size=32, checkpoint_every=10, progress=False, seed=1,
-               optimizer=raympi.optim.sgd(0.05, momentum=0.9), step_timeout_s=4.0, restart_timeout_s=20.0)
+OPTIONS = dict(
+    epochs=4,
+    batch_size=32,
+    checkpoint_every=10,
+    progress=False,
+    seed=1,
+    optimizer=raympi.optim.sgd(0.05, momentum=0.9),
+    step_timeout_s=4.0,
+    restart_timeout_s=20.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +96,7 @@ def _net() -> nn.Module:
 
 def _when_checkpoint(folder: pathlib.Path, step: int, action, timeout: float = 120.0) -> threading.Thread:
     """Run ``action()`` once the checkpoint of ``step`` exists: a failure in the middle of training."""
+
     def wait_then_act():
         deadline = time.monotonic() + timeout
         while not (folder / f"step-{step:08d}").exists() and time.monotonic() < deadline:
@@ -145,7 +154,9 @@ def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrup
 
     _when_checkpoint(folder, 20, lambda: (cluster.remove_node(lost), add_back_when_shrunk()))
     try:
-        result = raympi.fit(_net(), _data(), workers=3, min_workers=2, checkpoint_dir=str(folder), grad_transport=transport, **OPTIONS)
+        result = raympi.fit(
+            _net(), _data(), workers=3, min_workers=2, checkpoint_dir=str(folder), grad_transport=transport, **OPTIONS
+        )
     finally:
         for node in added:
             cluster.remove_node(node)
@@ -185,7 +196,9 @@ def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, si
     result = raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), grad_transport=transport, **OPTIONS)
     assert [r["kind"] for r in result.restarts] == [kind]
     record = result.restarts[0]
-    assert record["path"] == "warm" and record["steps_lost"] == 0, {k: record.get(k) for k in ("path", "warm_skipped", "warm_error", "cause")}
+    assert record["path"] == "warm" and record["steps_lost"] == 0, {
+        k: record.get(k) for k in ("path", "warm_skipped", "warm_error", "cause")
+    }
     assert record["world_after"] == 3 and record["restored_step"] >= 20
     assert record["recovery_s"] < 30
     if sig == signal.SIGSTOP:
@@ -340,7 +353,9 @@ def test_cluster_below_min_workers(cluster, tmp_path):
     lost = cluster.workers.pop()
     _when_checkpoint(folder, 20, lambda: cluster.remove_node(lost))
     start = time.monotonic()
-    with pytest.raises(CapacityError, match=r"fewer than min_workers=3, and no way forward was found within restart_timeout_s=3 s"):
+    with pytest.raises(
+        CapacityError, match=r"fewer than min_workers=3, and no way forward was found within restart_timeout_s=3 s"
+    ):
         raympi.fit(_net(), _data(), workers=3, checkpoint_dir=str(folder), **{**OPTIONS, "restart_timeout_s": 3.0})
     assert time.monotonic() - start < 90
     assert raympi.load_checkpoint(str(folder)).step.item() >= 20
@@ -353,7 +368,9 @@ def test_sigterm_to_a_worker_checkpoints_then_regroups(cluster, uninterrupted, t
     assert [r["kind"] for r in result.restarts] == ["preempted"]
     record = result.restarts[0]
     assert record["steps_lost"] == 0 and record["restored_step"] > 20
-    assert (folder / f"step-{record['restored_step']:08d}").exists() or record["restored_step"] < result.metrics[-1]["step"]
+    assert (folder / f"step-{record['restored_step']:08d}").exists() or record["restored_step"] < result.metrics[-1][
+        "step"
+    ]
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
 
 
@@ -380,11 +397,19 @@ def _driver(folder, workers: int = 2, mode: str = "long"):
     import sys
 
     env = {**os.environ, "RAY_ADDRESS": ""}
-    return subprocess.Popen([sys.executable, "-c", DRIVER, str(folder), str(workers), mode], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(folder), str(workers), mode],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
-@pytest.mark.parametrize("sig, words", [(signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT, "interrupted (Ctrl-C)")])
+@pytest.mark.parametrize(
+    "sig, words", [(signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT, "interrupted (Ctrl-C)")]
+)
 def test_sigterm_or_ctrl_c_to_the_driver_checkpoints_before_exiting(tmp_path, sig, words):
     folder = tmp_path / "ck"
     driver = _driver(folder)

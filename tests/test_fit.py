@@ -39,8 +39,14 @@ def _net() -> nn.Module:
 
 
 def _fit(data, tmp_path, name, **kw):
-    options = dict(epochs=1, batch_size=64, optimizer=raympi.optim.sgd(0.1, momentum=0.9), progress=False,
-                   checkpoint_dir=str(tmp_path / name), seed=3)
+    options = dict(
+        epochs=1,
+        batch_size=64,
+        optimizer=raympi.optim.sgd(0.1, momentum=0.9),
+        progress=False,
+        checkpoint_dir=str(tmp_path / name),
+        seed=3,
+    )
     options.update(kw)
     return raympi.fit(_net(), data, **options)
 
@@ -131,15 +137,22 @@ def test_truncated_newest_checkpoint_falls_back(ray_session, fashion, tmp_path):
     assert sorted(p.name for p in (tmp_path / "cut").glob("step-*")) == ["step-00000010", "step-00000024"]
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    (dict(epoch=1), ConfigError, "unknown option 'epoch'"),
-    (dict(workers=0), ConfigError, "workers"),
-    (dict(workers=4, batch_size=3), ConfigError, "batch_size=3 is smaller than workers=4"),
-    (dict(workers=2, checkpoint_dir="/etc/hostname/sub"), ConfigError, "checkpoint_dir='/etc/hostname/sub' is not writable"),
-    (dict(workers=20), CapacityError, "can host 8 worker"),
-    (dict(workers=1, use_gpu=True), CapacityError, "can host 0 worker"),
-    (dict(workers=1, startup_timeout_s=-1), ConfigError, "startup_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(epoch=1), ConfigError, "unknown option 'epoch'"),
+        (dict(workers=0), ConfigError, "workers"),
+        (dict(workers=4, batch_size=3), ConfigError, "batch_size=3 is smaller than workers=4"),
+        (
+            dict(workers=2, checkpoint_dir="/etc/hostname/sub"),
+            ConfigError,
+            "checkpoint_dir='/etc/hostname/sub' is not writable",
+        ),
+        (dict(workers=20), CapacityError, "can host 8 worker"),
+        (dict(workers=1, use_gpu=True), CapacityError, "can host 0 worker"),
+        (dict(workers=1, startup_timeout_s=-1), ConfigError, "startup_timeout_s"),
+    ],
+)
 def test_bad_options(ray_session, fashion, tmp_path, kwargs, error, words):
     options = dict(checkpoint_dir=str(tmp_path / "ck"), progress=False)
     options.update(kwargs)
@@ -187,8 +200,20 @@ def test_progress_lines_when_not_a_terminal(ray_session, fashion, tmp_path, caps
 
 
 def test_example_runs_end_to_end(ray_session, tmp_path, capsys):
-    result = _example().main(["--subset", "640", "--epochs", "1", "--workers", "2", "--data-dir", str(tmp_path / "data"),
-                              "--checkpoint-dir", str(tmp_path / "ck")])
+    result = _example().main(
+        [
+            "--subset",
+            "640",
+            "--epochs",
+            "1",
+            "--workers",
+            "2",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+        ]
+    )
     out = capsys.readouterr().out
     assert "fashion-mnist: test accuracy" in out
     assert result.checkpoint and os.path.exists(os.path.join(result.checkpoint, "manifest.json"))
@@ -217,13 +242,22 @@ def test_ray_dataset_streams_and_resumes_exactly_with_preserve_order(ray_session
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(512, 6, generator=g)
-        ds = ray.data.from_numpy(x.numpy()).zip(ray.data.from_numpy((x[:, 0] > 0).long().numpy()).rename_columns({"data": "label"}))
+        ds = ray.data.from_numpy(x.numpy()).zip(
+            ray.data.from_numpy((x[:, 0] > 0).long().numpy()).rename_columns({"data": "label"})
+        )
 
         def net():
             torch.manual_seed(0)
             return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
 
-        opts = dict(workers=2, epochs=2, batch_size=32, progress=False, optimizer=raympi.optim.sgd(0.1), columns=("data", "label"))
+        opts = dict(
+            workers=2,
+            epochs=2,
+            batch_size=32,
+            progress=False,
+            optimizer=raympi.optim.sgd(0.1),
+            columns=("data", "label"),
+        )
         whole = raympi.fit(net(), ds, checkpoint_dir=str(tmp_path / "whole"), **opts)
         raympi.fit(net(), ds, checkpoint_dir=str(tmp_path / "cut"), max_steps=11, **opts)
         resumed = raympi.fit(net(), ds, checkpoint_dir=str(tmp_path / "cut"), resume=True, **opts)
@@ -239,9 +273,18 @@ def test_regression_reports_no_accuracy(ray_session, tmp_path):
     torch.manual_seed(0)
     x = torch.randn(256, 3)
     y = x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.1
-    result = raympi.fit(nn.Linear(3, 1), (x, y), workers=2, epochs=3, batch_size=32, loss_fn=nn.functional.mse_loss,
-                        optimizer=raympi.optim.sgd(0.1), eval_dataset=(x[:64], y[:64]), checkpoint_dir=str(tmp_path / "ck"),
-                        progress=False)
+    result = raympi.fit(
+        nn.Linear(3, 1),
+        (x, y),
+        workers=2,
+        epochs=3,
+        batch_size=32,
+        loss_fn=nn.functional.mse_loss,
+        optimizer=raympi.optim.sgd(0.1),
+        eval_dataset=(x[:64], y[:64]),
+        checkpoint_dir=str(tmp_path / "ck"),
+        progress=False,
+    )
     last = result.metrics[-1]
     assert "eval_loss" in last and last["eval_loss"] < result.metrics[0]["loss"]
     assert not any("accuracy" in key for r in result.metrics for key in r), last
@@ -253,6 +296,15 @@ def test_cpu_workers_run_with_one_malloc_arena(ray_session, tmp_path):
     read here by a metric evaluated on each worker."""
     x, y = torch.randn(64, 3), torch.randn(64, 1)
     arenas = {"arena_max": lambda out, t: torch.tensor(float(os.environ.get("MALLOC_ARENA_MAX", "-1")))}
-    result = raympi.fit(nn.Linear(3, 1), (x, y), workers=2, epochs=1, batch_size=32, loss_fn=nn.functional.mse_loss,
-                        metrics=arenas, checkpoint_dir=str(tmp_path / "ck"), progress=False)
+    result = raympi.fit(
+        nn.Linear(3, 1),
+        (x, y),
+        workers=2,
+        epochs=1,
+        batch_size=32,
+        loss_fn=nn.functional.mse_loss,
+        metrics=arenas,
+        checkpoint_dir=str(tmp_path / "ck"),
+        progress=False,
+    )
     assert [r["arena_max"] for r in result.metrics] == [1.0] * len(result.metrics) and result.metrics, result.metrics

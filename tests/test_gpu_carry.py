@@ -51,11 +51,16 @@ def _hash(data: bytes) -> str:
 
 
 def test_slim_wheel_synthetic(tmp_path: Path) -> None:
-    files = {"ray/__init__.py": b"x = 1\n", "ray/jars/big.jar": b"j" * 1000, "ray/rllib/a.py": b"a\n",
-             "ray/core/src/ray/raylet/raylet": b"#!raylet\n", "ray/dashboard/client/build/index.html": b"<html>",
-             "ray/dashboard/agent.py": b"agent\n",
-             "ray-9.9.9.dist-info/entry_points.txt": b"[console_scripts]\nray = ray.scripts.scripts:main\n"
-                                                     b"rllib = ray.rllib.scripts:cli\nserve = ray.serve.scripts:cli\n"}
+    files = {
+        "ray/__init__.py": b"x = 1\n",
+        "ray/jars/big.jar": b"j" * 1000,
+        "ray/rllib/a.py": b"a\n",
+        "ray/core/src/ray/raylet/raylet": b"#!raylet\n",
+        "ray/dashboard/client/build/index.html": b"<html>",
+        "ray/dashboard/agent.py": b"agent\n",
+        "ray-9.9.9.dist-info/entry_points.txt": b"[console_scripts]\nray = ray.scripts.scripts:main\n"
+        b"rllib = ray.rllib.scripts:cli\nserve = ray.serve.scripts:cli\n",
+    }
     wheel = tmp_path / "ray-9.9.9-cp311-cp311-manylinux2014_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         for name, data in files.items():
@@ -72,8 +77,12 @@ def test_slim_wheel_synthetic(tmp_path: Path) -> None:
         assert not any(n.startswith(("ray/jars/", "ray/rllib/", "ray/dashboard/client/")) for n in names)
         assert {"ray/__init__.py", "ray/core/src/ray/raylet/raylet", "ray/dashboard/agent.py"} <= names
         assert z.getinfo("ray/core/src/ray/raylet/raylet").external_attr >> 16 == 0o755
-        assert z.read("ray-9.9.9.dist-info/entry_points.txt").decode().split() == \
-            ["[console_scripts]", "ray", "=", "ray.scripts.scripts:main"]
+        assert z.read("ray-9.9.9.dist-info/entry_points.txt").decode().split() == [
+            "[console_scripts]",
+            "ray",
+            "=",
+            "ray.scripts.scripts:main",
+        ]
     assert _gpu_carry().slim_wheel(wheel, strip=False) == (after, after)  # a slim wheel stays as it is
 
 
@@ -91,8 +100,24 @@ def test_slim_ray_runs_an_actor(tmp_path: Path) -> None:
     base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
     subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--disable-pip-version-check",
-                    "--no-index", "--find-links", str(tmp_path / "carry" / "wheels"), "ray", "pydantic"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--find-links",
+            str(tmp_path / "carry" / "wheels"),
+            "ray",
+            "pydantic",
+        ],
+        check=True,
+    )
     script = textwrap.dedent("""
         import importlib.util, json, os, ray
         ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR",

@@ -31,8 +31,13 @@ def _imports(path: Path, top_level_only: bool) -> set[str]:
     """What ``path`` imports: at the top only, or anywhere (inside functions too), but never what is
     imported for type checkers alone (``if TYPE_CHECKING:``, which does not run)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
-                   for stmt in node.body for n in ast.walk(stmt)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _is_type_checking(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
     nodes = tree.body if top_level_only else [n for n in ast.walk(tree) if id(n) not in typing_only]
     names: set[str] = set()
     for node in nodes:
@@ -46,7 +51,8 @@ def _imports(path: Path, top_level_only: bool) -> set[str]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _layer(module: str) -> str | None:
@@ -75,7 +81,9 @@ def test_no_import_cycles():
         state[m] = 1
         for n in graph[m]:
             if state.get(n) == 1:
-                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(n):] + [m, n]) if n in stack else f"{m} -> {n}")
+                pytest.fail(
+                    "import cycle: " + " -> ".join(stack[stack.index(n) :] + [m, n]) if n in stack else f"{m} -> {n}"
+                )
             if n not in state:
                 visit(n, stack + [m])
         state[m] = 2

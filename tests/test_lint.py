@@ -1,5 +1,5 @@
-"""The code passes ``ruff check`` with the project's rules, and ``mypy`` (strict on ``raympi.core`` and ``raympi.comm``),
-both configured in pyproject.toml, as CI runs them through these tests."""
+"""The code passes ``ruff check`` with the project's rules, ``ruff format --check``, and ``mypy`` (strict on
+``raympi.core`` and ``raympi.comm``), all configured in pyproject.toml, as CI runs them through these tests."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ruff_check_is_clean():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is not installed: pip install -e '.[test]' installs it"
-    done = subprocess.run([ruff, "check", "--output-format", "concise", "raympi", "tests", "benchmarks", "examples"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [ruff, "check", "--output-format", "concise", "raympi", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -27,4 +32,17 @@ def test_mypy_strict_on_core_and_comm():
     assert mypy, "mypy is not installed: pip install -e '.[test]' installs it"
     # No arguments: pyproject.toml's [tool.mypy] names the files (raympi/core, raympi/comm) and the strict settings.
     done = subprocess.run([mypy], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_format_is_clean():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff, "ruff is not installed: pip install -e '.[test]' installs it"
+    done = subprocess.run(
+        [ruff, "format", "--check", "raympi", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -41,7 +41,10 @@ _USE_CORE = (
 _FIT = "import raympi, torch\nraympi.fit(torch.nn.Linear(3, 2), (torch.randn(8, 3), torch.zeros(8, dtype=torch.long)), batch_size=4)\n"
 
 
-@pytest.mark.parametrize("fake, words", [("mpich5", ["MPICH 5", "mpich>=4.3,<5", "7805"]), ("missing", ["no usable MPI library", "pip install"])])
+@pytest.mark.parametrize(
+    "fake, words",
+    [("mpich5", ["MPICH 5", "mpich>=4.3,<5", "7805"]), ("missing", ["no usable MPI library", "pip install"])],
+)
 def test_core_works_without_mpi_and_fit_explains_it(tmp_path, fake, words):
     core = _run(["-c", _USE_CORE], fake, tmp_path)
     assert core.returncode == 0 and "core ok" in core.stdout, core.stderr[-2000:]
@@ -68,7 +71,11 @@ def test_core_works_when_mpi4py_cannot_be_imported(tmp_path):
         "            raise ImportError('No module named mpi4py (blocked by the test)')\n"
         "sys.meta_path.insert(0, _Block())\n"
     )
-    done = _run(["-c", blocker + "import raympi; raympi.TrainState; raympi.optim.adam; raympi.comm.form\n" + _USE_CORE], None, tmp_path)
+    done = _run(
+        ["-c", blocker + "import raympi; raympi.TrainState; raympi.optim.adam; raympi.comm.form\n" + _USE_CORE],
+        None,
+        tmp_path,
+    )
     assert done.returncode == 0 and "core ok" in done.stdout, done.stderr[-2000:]
 
 

@@ -22,13 +22,13 @@ import torch
 import netns
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def namespaces_available():
     """Checked when the module's tests run, not when it is imported (collecting creates nothing)."""
     why = netns.unavailable()
     if why:
         pytest.skip(f"multi-host tests: {why}")
+
 
 DRIVER = pathlib.Path(__file__).with_name("multihost_driver.py")
 OPTIONS = dict(epochs=2, batch_size=32, checkpoint_every=10, seed=1, step_timeout_s=4.0, restart_timeout_s=20.0)
@@ -81,14 +81,31 @@ def reference(hosts, tmp_path_factory):
     """
     tmp = tmp_path_factory.mktemp("reference")
     code = f"import ray; ray.init(address={hosts.address!r}, logging_level='ERROR')"
-    intruder = subprocess.Popen(hosts.head.exec(netns.PYTHON, "-c", code), env={**hosts.env(), "RAY_AUTH_TOKEN": "0" * 64},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    intruder = subprocess.Popen(
+        hosts.head.exec(netns.PYTHON, "-c", code),
+        env={**hosts.env(), "RAY_AUTH_TOKEN": "0" * 64},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        results = drive(hosts, [
-            {"name": "one_host", "options": {**OPTIONS, "workers": 1, "checkpoint_dir": str(tmp / "one")}},
-            # every namespace host names its link eth0: FI_TCP_IFACE=eth0 on every rank
-            {"name": "three_hosts", "options": {**OPTIONS, **SPREAD, "checkpoint_dir": str(tmp / "three"), "mpi": {"interface": "eth0"}}},
-        ], tmp)
+        results = drive(
+            hosts,
+            [
+                {"name": "one_host", "options": {**OPTIONS, "workers": 1, "checkpoint_dir": str(tmp / "one")}},
+                # every namespace host names its link eth0: FI_TCP_IFACE=eth0 on every rank
+                {
+                    "name": "three_hosts",
+                    "options": {
+                        **OPTIONS,
+                        **SPREAD,
+                        "checkpoint_dir": str(tmp / "three"),
+                        "mpi": {"interface": "eth0"},
+                    },
+                },
+            ],
+            tmp,
+        )
         results["intruder"] = (intruder.wait(timeout=90), intruder.stdout.read())
     finally:
         intruder.kill()
@@ -124,9 +141,11 @@ def _recovered(result: dict, fired: dict, reference: dict) -> dict:
     after = [m["time"] for m in result["metrics"] if m["time"] > fired["time"] and m["world_size"] == 2]
     record["detect_s"] = record["time"] - fired["time"]
     record["failure_to_next_step_s"] = min(after) - fired["time"]
-    print(f"\n{record['kind']}: detected {record['detect_s']:.2f} s after the failure, path {record['path']}, "
-          f"recovery {record.get('recovery_s', float('nan')):.2f} s, failure -> next step {record['failure_to_next_step_s']:.2f} s "
-          f"{record.get('warm_skipped', '')}{record.get('warm_error', '')}")
+    print(
+        f"\n{record['kind']}: detected {record['detect_s']:.2f} s after the failure, path {record['path']}, "
+        f"recovery {record.get('recovery_s', float('nan')):.2f} s, failure -> next step {record['failure_to_next_step_s']:.2f} s "
+        f"{record.get('warm_skipped', '')}{record.get('warm_error', '')}"
+    )
     return record
 
 
@@ -135,7 +154,9 @@ def _train_through(hosts, reference, tmp_path, name: str, victim: int, failure) 
     folder = tmp_path / "ck"
     fired = when_checkpoint(folder, 20, lambda: failure(victim))
     try:
-        result = drive(hosts, [{"name": name, "options": {**OPTIONS, **SPREAD, "checkpoint_dir": str(folder)}}], tmp_path)[name]
+        result = drive(
+            hosts, [{"name": name, "options": {**OPTIONS, **SPREAD, "checkpoint_dir": str(folder)}}], tmp_path
+        )[name]
     finally:
         hosts.repair(victim)
     return _recovered(result, fired, reference)
@@ -145,7 +166,9 @@ def test_cut_link_detected_within_step_deadline_and_training_finishes(hosts, ref
     record = _train_through(hosts, reference, tmp_path, "cut", 2, hosts.cut)
     assert record["kind"] == "hung", record
     # the cut-off rank, found by a ping once its chunk was late (or, at the latest, at step_timeout_s)
-    assert ("stopped answering" in record["cause"] or "step_timeout_s=4" in record["cause"]) and len(record["ranks"]) == 1, record
+    assert ("stopped answering" in record["cause"] or "step_timeout_s=4" in record["cause"]) and len(
+        record["ranks"]
+    ) == 1, record
     # noticed within the step deadline (plus the 2 s ping that finds the silent rank and a margin)
     assert record["detect_s"] < OPTIONS["step_timeout_s"] + 2 + 3, record
 

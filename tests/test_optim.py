@@ -241,7 +241,9 @@ def test_building_blocks_state_and_purity():
     params = {"a": torch.randn(4, 3), "b": torch.randn(3)}
     grads = {"a": torch.randn(4, 3), "b": torch.randn(3)}
     state = opt.init(params)
-    assert state[0]._fields == ("count", "mu", "nu") and state[1] == optim.EmptyState() and state[2]._fields == ("count",)
+    assert (
+        state[0]._fields == ("count", "mu", "nu") and state[1] == optim.EmptyState() and state[2]._fields == ("count",)
+    )
     snapshot = [t.clone() for t in pytree.tensor_leaves((params, grads, state))]
     _, new_state = opt.update(grads, state, params)
     assert all(torch.equal(a, b) for a, b in zip(snapshot, pytree.tensor_leaves((params, grads, state))))
@@ -249,7 +251,9 @@ def test_building_blocks_state_and_purity():
     # The first Adam step is g / (|g| + eps): all updates of magnitude ~1.
     updates, _ = optim.scale_by_adam().update(grads, optim.scale_by_adam().init(params))
     torch.testing.assert_close(updates["a"], grads["a"].sign(), rtol=1e-6, atol=1e-6)
-    lr_updates, _ = optim.scale_by_learning_rate(lambda k: 0.5).update(grads, optim.ScaleByScheduleState(torch.tensor(3)))
+    lr_updates, _ = optim.scale_by_learning_rate(lambda k: 0.5).update(
+        grads, optim.ScaleByScheduleState(torch.tensor(3))
+    )
     torch.testing.assert_close(lr_updates["b"], -0.5 * grads["b"])
 
 
@@ -502,13 +506,15 @@ def test_apply_if_finite_skips_nonfinite_steps(fused):
 
 WRAPPED = {
     "chain_adamw": optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.cosine_decay(1e-3, 10))),
-    "masked": optim.chain(optim.scale_by_adam(), optim.masked(optim.add_decayed_weights(0.1), _decay),
-                          optim.scale_by_learning_rate(1e-2)),
+    "masked": optim.chain(
+        optim.scale_by_adam(), optim.masked(optim.add_decayed_weights(0.1), _decay), optim.scale_by_learning_rate(1e-2)
+    ),
     "adamw_mask": optim.adamw(1e-2, mask=_decay),
     "masked_fused_inner": optim.masked(optim.adam(1e-2), {"a": True, "b": False}),
     "masked_none": optim.masked(optim.adam(1e-2), lambda p: {n: False for n in p}),
-    "multi_transform": optim.multi_transform({"x": optim.sgd(0.1, momentum=0.9), "y": optim.set_to_zero()},
-                                             {"a": "x", "b": "y"}),
+    "multi_transform": optim.multi_transform(
+        {"x": optim.sgd(0.1, momentum=0.9), "y": optim.set_to_zero()}, {"a": "x", "b": "y"}
+    ),
     "inject": optim.inject_hyperparams(optim.adamw)(lr=_SCHED2, weight_decay=0.1, mask=_decay),
     "adamw_mask_none": optim.adamw(1e-2, mask={"a": False, "b": False}),
     "ema": optim.chain(optim.adam(1e-2), optim.ema(0.9, debias=True)),

@@ -65,7 +65,10 @@ def test_each_transformation_has_its_own_state_type():
             assert type(state) is tuple and tuple(type(s) for s in state) == want, name
         else:
             assert type(state) is want, name
-    assert type(optim.masked(optim.sgd(0.1, momentum=0.9), lambda q: {n: True for n in q}).init(p).inner_state) is S.TraceState
+    assert (
+        type(optim.masked(optim.sgd(0.1, momentum=0.9), lambda q: {n: True for n in q}).init(p).inner_state)
+        is S.TraceState
+    )
     mt = CASES["multi_transform"].init(p).inner_states
     assert type(mt["head"]) is S.ScaleByAdamState and type(mt["body"]) is S.EmptyState
     assert type(CASES["inject_hyperparams"].init(p).inner_state) is S.TraceState
@@ -74,8 +77,9 @@ def test_each_transformation_has_its_own_state_type():
 
 def test_states_are_read_by_field_and_found_by_type():
     p = _params()
-    state = optim.chain(optim.clip_by_global_norm(1.0),
-                        optim.inject_hyperparams(optim.adam)(lr=0.01), optim.ema(0.5)).init(p)
+    state = optim.chain(
+        optim.clip_by_global_norm(1.0), optim.inject_hyperparams(optim.adam)(lr=0.01), optim.ema(0.5)
+    ).init(p)
     assert int(state[1].count) == 0 and set(state[1].inner_state.mu) == set(p)
     assert [path for path, _ in optim.find_states(state, optim.EmaState)] == [("2",)]
     assert [path for path, _ in optim.find_states(state, optim.ScaleByAdamState)] == [("1", "inner_state")]
@@ -117,9 +121,13 @@ def test_to_dict_is_plain_and_round_trips(name, tmp_path):
 def test_saved_states_load_without_raympi(tmp_path):
     """state.pt stays readable by torch.load(weights_only=True) in a process that never imports raympi."""
     torch.save({name: old.stepped(opt).to_dict() for name, opt in CASES.items()}, tmp_path / "s.pt")
-    code = ("import sys, torch; d = torch.load(sys.argv[1], weights_only=True); "
-            "assert 'raympi' not in sys.modules; print(d['sgd_momentum']['opt_state']['__type__'])")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s.pt")], capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys, torch; d = torch.load(sys.argv[1], weights_only=True); "
+        "assert 'raympi' not in sys.modules; print(d['sgd_momentum']['opt_state']['__type__'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "s.pt")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "TraceState"
 

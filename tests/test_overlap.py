@@ -36,8 +36,17 @@ def mlp() -> nn.Module:
 
 def cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(16 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 5))
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 32),
+        nn.ReLU(),
+        nn.Linear(32, 5),
+    )
 
 
 MODELS = {"mlp": mlp, "cnn": cnn}
@@ -74,16 +83,22 @@ class Recorder:
 def test_same_as_plain_step_bit_for_bit(model, precision, accumulate):
     net = MODELS[model]()
     opt = optim.adam(1e-2)
-    plain = make_train_step(net, F.cross_entropy, opt, grad_sync=lambda tree: None, precision=precision, accumulate=accumulate)
+    plain = make_train_step(
+        net, F.cross_entropy, opt, grad_sync=lambda tree: None, precision=precision, accumulate=accumulate
+    )
     sync = Recorder()
-    over = make_train_step(net, F.cross_entropy, opt, grad_sync=sync, precision=precision, accumulate=accumulate, overlap=True)
+    over = make_train_step(
+        net, F.cross_entropy, opt, grad_sync=sync, precision=precision, accumulate=accumulate, overlap=True
+    )
     a = b = TrainState.create(net, opt)
     for step in range(4):
         a, ma = plain(a, _batch(step, 0))
         b, mb = over(b, _batch(step, 0))
         assert ma == mb
     for part in ("params", "buffers", "opt_state"):
-        for x, y in zip(torch.utils._pytree.tree_leaves(getattr(a, part)), torch.utils._pytree.tree_leaves(getattr(b, part))):
+        for x, y in zip(
+            torch.utils._pytree.tree_leaves(getattr(a, part)), torch.utils._pytree.tree_leaves(getattr(b, part))
+        ):
             assert torch.equal(x, y), part
     # Per step: the buckets in reverse parameter order, then the statistics row (float64) last.
     per_step = len(sync.started) // 4
@@ -95,8 +110,13 @@ def test_same_as_plain_step_bit_for_bit(model, precision, accumulate):
 
 
 def test_buckets_reverse_order_small_first_one_dtype_each():
-    params = {"a": torch.zeros(300_000), "b": torch.zeros(10, dtype=torch.float64), "c": torch.zeros(100_000),
-              "d": torch.zeros(100_000), "e": torch.zeros(400_000)}
+    params = {
+        "a": torch.zeros(300_000),
+        "b": torch.zeros(10, dtype=torch.float64),
+        "c": torch.zeros(100_000),
+        "d": torch.zeros(100_000),
+        "e": torch.zeros(400_000),
+    }
     plan = plan_buckets(params, bucket_bytes=2 * 2**20)
     assert plan == [["e"], ["d", "c"], ["b"], ["a"]]
     assert 400_000 * 4 > FIRST_BUCKET_BYTES  # a tensor larger than the cap is a bucket of its own
@@ -138,8 +158,9 @@ def test_a_failing_backward_abandons_the_buckets_and_keeps_the_state():
 
     net = mlp()
     sync = Recorder(bucket_bytes=1024)
-    step = make_train_step(net, lambda out, y: F.cross_entropy(Boom.apply(out), y), optim.sgd(0.1),
-                           grad_sync=sync, overlap=True)
+    step = make_train_step(
+        net, lambda out, y: F.cross_entropy(Boom.apply(out), y), optim.sgd(0.1), grad_sync=sync, overlap=True
+    )
     state = TrainState.create(net, optim.sgd(0.1))
     with pytest.raises(RuntimeError, match="boom in backward"):
         step(state, _batch(0, 0))
@@ -162,22 +183,43 @@ def test_overlap_needs_a_bucket_sync_and_no_compression():
 def _rank_class(ray):
     @ray.remote(num_cpus=0)
     class Rank(comm.Member):
-        def train(self, model: str, overlap: bool, thread: bool | None, precision: str, accumulate: int,
-                  steps: int, bucket_bytes: int) -> dict[str, torch.Tensor]:
+        def train(
+            self,
+            model: str,
+            overlap: bool,
+            thread: bool | None,
+            precision: str,
+            accumulate: int,
+            steps: int,
+            bucket_bytes: int,
+        ) -> dict[str, torch.Tensor]:
             torch.set_num_threads(1)
             net, opt = MODELS[model](), optim.adamw(1e-2)
             self.comm.bucket_bytes = bucket_bytes
             sync = BucketAllreduce(self.comm, thread=thread) if overlap else self.comm.allreduce_
-            step = make_train_step(net, F.cross_entropy, opt, grad_sync=sync, rank=self.comm.rank, donate=True,
-                                   precision=precision, accumulate=accumulate, overlap=overlap)
+            step = make_train_step(
+                net,
+                F.cross_entropy,
+                opt,
+                grad_sync=sync,
+                rank=self.comm.rank,
+                donate=True,
+                precision=precision,
+                accumulate=accumulate,
+                overlap=overlap,
+            )
             state = TrainState.create(net, opt)
-            state = state.replace(params={k: v.clone() for k, v in state.params.items()},
-                                  buffers={k: v.clone() for k, v in state.buffers.items()})
+            state = state.replace(
+                params={k: v.clone() for k, v in state.params.items()},
+                buffers={k: v.clone() for k, v in state.buffers.items()},
+            )
             world = self.comm.size
             losses = []
             for i in range(steps):
                 # uneven local batches: rank r holds 10 + 2r samples
-                state, metrics = step(state, _batch(i, self.comm.rank, 10 + 2 * self.comm.rank), sum(10 + 2 * r for r in range(world)))
+                state, metrics = step(
+                    state, _batch(i, self.comm.rank, 10 + 2 * self.comm.rank), sum(10 + 2 * r for r in range(world))
+                )
                 losses.append(metrics["loss"])
             return {"params": state.params, "buffers": state.buffers, "losses": losses}
 
@@ -189,7 +231,9 @@ def _rank_class(ray):
                 return "stalled"
             net, opt = mlp(), optim.sgd(0.1)
             self.comm.bucket_bytes = 4096
-            step = make_train_step(net, F.cross_entropy, opt, grad_sync=BucketAllreduce(self.comm, thread=thread), overlap=True)
+            step = make_train_step(
+                net, F.cross_entropy, opt, grad_sync=BucketAllreduce(self.comm, thread=thread), overlap=True
+            )
             state = TrainState.create(net, opt)
             before = {k: v.clone() for k, v in state.params.items()}
             self.comm.abort.clear()
@@ -209,24 +253,34 @@ def ranks(ray_session, spawn):
     return spawn(_rank_class(ray_session), 3)
 
 
-@pytest.mark.parametrize("model, precision, accumulate, world", [
-    ("mlp", "fp32", 1, 2), ("cnn", "fp32", 1, 3), ("mlp", "bf16", 2, 2), ("cnn", "bf16", 2, 2), ("cnn", "fp16", 1, 2),
-])
+@pytest.mark.parametrize(
+    "model, precision, accumulate, world",
+    [
+        ("mlp", "fp32", 1, 2),
+        ("cnn", "fp32", 1, 3),
+        ("mlp", "bf16", 2, 2),
+        ("cnn", "bf16", 2, 2),
+        ("cnn", "fp16", 1, 2),
+    ],
+)
 def test_overlapped_ranks_train_like_the_plain_allreduce(ray_session, ranks, model, precision, accumulate, world):
     peers = ranks[:world]
     comm.form(peers, timeout_s=60)
     bucket_bytes = 16 * 1024  # several buckets per model
     runs = {}
     for name, overlap, thread in (("plain", False, None), ("inline", True, False), ("thread", True, True)):
-        runs[name] = ray_session.get([p.train.remote(model, overlap, thread, precision, accumulate, 5, bucket_bytes)
-                                      for p in peers], timeout=120)
+        runs[name] = ray_session.get(
+            [p.train.remote(model, overlap, thread, precision, accumulate, 5, bucket_bytes) for p in peers], timeout=120
+        )
     for name in ("inline", "thread"):
         for rank in range(world):
             ours, ref = runs[name][rank], runs["plain"][rank]  # BatchNorm statistics are per rank
             assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
             for part in ("params", "buffers"):
                 for k in ref[part]:
-                    torch.testing.assert_close(ours[part][k], ref[part][k], rtol=1e-6, atol=1e-6, msg=f"{name} {part} {k}")
+                    torch.testing.assert_close(
+                        ours[part][k], ref[part][k], rtol=1e-6, atol=1e-6, msg=f"{name} {part} {k}"
+                    )
 
 
 @pytest.mark.parametrize("thread", [False, True], ids=["inline", "thread"])
@@ -246,10 +300,16 @@ def test_fit_option_overlap(ray_session, tmp_path):
 
     g = torch.Generator().manual_seed(0)
     data = (torch.randn(96, 1, 8, 8, generator=g), torch.randint(0, 5, (96,), generator=g))
-    opts = dict(workers=2, batch_size=24, epochs=1, progress=False, optimizer=optim.sgd(0.05, momentum=0.9), accumulate=2)
-    results = {o: raympi.fit(mlp(), data, overlap=o, checkpoint_dir=str(tmp_path / str(o)), **opts) for o in (False, True)}
+    opts = dict(
+        workers=2, batch_size=24, epochs=1, progress=False, optimizer=optim.sgd(0.05, momentum=0.9), accumulate=2
+    )
+    results = {
+        o: raympi.fit(mlp(), data, overlap=o, checkpoint_dir=str(tmp_path / str(o)), **opts) for o in (False, True)
+    }
     for k, v in results[False].state.params.items():
         torch.testing.assert_close(results[True].state.params[k], v, rtol=1e-6, atol=1e-6)
-    assert [m["loss"] for m in results[True].metrics] == pytest.approx([m["loss"] for m in results[False].metrics], rel=1e-6)
+    assert [m["loss"] for m in results[True].metrics] == pytest.approx(
+        [m["loss"] for m in results[False].metrics], rel=1e-6
+    )
     with pytest.raises(ConfigError, match="overlap=True does not combine with compression='bf16'"):
         raympi.fit(mlp(), data, overlap=True, compression="bf16", **opts)

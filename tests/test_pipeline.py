@@ -34,6 +34,7 @@ class FakeActor:
                 call = Call(method, args)
                 actor.group.calls.append((actor.rank, call))
                 return call
+
         return _Remote()
 
 
@@ -51,8 +52,14 @@ class FakeGroup:
                 last = self._step_of(call) + len(steps)
                 if self.fail_at == ("run", last):
                     raise Failed(Failure(K.WORKER_LOST, f"rank 1 died in {what}", ranks=(1,)))
-                out.append({"metrics": [{"loss": 1.0} for _ in steps], "step": last, "aborted": False,
-                            "sigterm": self.sigterm_at is not None and last >= self.sigterm_at})
+                out.append(
+                    {
+                        "metrics": [{"loss": 1.0} for _ in steps],
+                        "step": last,
+                        "aborted": False,
+                        "sigterm": self.sigterm_at is not None and last >= self.sigterm_at,
+                    }
+                )
             elif call.method == "evaluate":
                 if self.fail_at and self.fail_at[0] == "evaluate":
                     raise Failed(Failure(K.WORKER_LOST, "rank 1 died in evaluation", ranks=(1,)))
@@ -96,8 +103,13 @@ class Hooks:
 
 def _pipeline(total=25, spe=10, checkpoint_every=8, eval_size=0, eval_every=0) -> TestPipeline:
     cfg = parse_config(workers=2, batch_size=4, checkpoint_every=checkpoint_every)
-    plan = ChunkPlan(total=total, steps_per_epoch=spe, checkpoint_every=checkpoint_every, eval_every=eval_every,
-                     has_eval=eval_size > 0)
+    plan = ChunkPlan(
+        total=total,
+        steps_per_epoch=spe,
+        checkpoint_every=checkpoint_every,
+        eval_every=eval_every,
+        has_eval=eval_size > 0,
+    )
     return TestPipeline(plan, Sampler(0, 4, 40, range(2, 3)), cfg, eval_size)
 
 

@@ -20,34 +20,100 @@ def _cfg(**kw):
 
 # (name, failure, run, config, capacity, expected decision)
 TABLE = [
-    ("worker lost, survivors", Failure(K.WORKER_LOST, "rank 1 died", ranks=(1,)), RUN, _cfg(), Capacity(3, 3),
-     Warm(survivors=(0, 2), failed=(1,))),
-    ("node lost, no room: survivors go on above min_workers", Failure(K.WORKER_LOST, "node", ranks=(2,)), RUN,
-     _cfg(min_workers=2), Capacity(3, 2), Warm(survivors=(0, 1), failed=(2,))),
+    (
+        "worker lost, survivors",
+        Failure(K.WORKER_LOST, "rank 1 died", ranks=(1,)),
+        RUN,
+        _cfg(),
+        Capacity(3, 3),
+        Warm(survivors=(0, 2), failed=(1,)),
+    ),
+    (
+        "node lost, no room: survivors go on above min_workers",
+        Failure(K.WORKER_LOST, "node", ranks=(2,)),
+        RUN,
+        _cfg(min_workers=2),
+        Capacity(3, 2),
+        Warm(survivors=(0, 1), failed=(2,)),
+    ),
     ("all ranks lost", Failure(K.WORKER_LOST, "all", ranks=(0, 1, 2)), RUN, _cfg(), Capacity(3, 3), Cold()),
     ("hung rank", Failure(K.HUNG, "rank 2 silent", ranks=(2,)), RUN, _cfg(), Capacity(3, 3), Warm((0, 1), (2,))),
     ("collective failed, peer unknown", Failure(K.COLLECTIVE, "aborted"), RUN, _cfg(), Capacity(3, 3), Cold()),
     ("formation failed", Failure(K.FORMATION, "join", ranks=(1,)), RUN, _cfg(), Capacity(3, 3), Cold()),
-    ("below min_workers: no room for a replacement", Failure(K.WORKER_LOST, "node", ranks=(2,)), RUN, _cfg(),
-     Capacity(3, 2), Cold()),
-    ("Ray Data: survivors cannot keep their shard", Failure(K.WORKER_LOST, "x", ranks=(1,)),
-     RunState(warm_possible=False), _cfg(), Capacity(3, 3), Cold()),
-    ("worker preempted (SIGTERM): replaced warm", Failure(K.PREEMPTED, "sigterm", ranks=(1,)), RUN, _cfg(), Capacity(3, 3),
-     Warm((0, 2), (1,))),
-    ("worker preempted, no room for a replacement", Failure(K.PREEMPTED, "sigterm", ranks=(1,)), RUN, _cfg(), Capacity(3, 2),
-     Cold(planned=True)),
-    ("preemptions do not spend the budget", Failure(K.PREEMPTED, "sigterm", ranks=(1,)), RunState(failures=3),
-     _cfg(max_restarts=3), Capacity(3, 3), Warm((0, 2), (1,))),
+    (
+        "below min_workers: no room for a replacement",
+        Failure(K.WORKER_LOST, "node", ranks=(2,)),
+        RUN,
+        _cfg(),
+        Capacity(3, 2),
+        Cold(),
+    ),
+    (
+        "Ray Data: survivors cannot keep their shard",
+        Failure(K.WORKER_LOST, "x", ranks=(1,)),
+        RunState(warm_possible=False),
+        _cfg(),
+        Capacity(3, 3),
+        Cold(),
+    ),
+    (
+        "worker preempted (SIGTERM): replaced warm",
+        Failure(K.PREEMPTED, "sigterm", ranks=(1,)),
+        RUN,
+        _cfg(),
+        Capacity(3, 3),
+        Warm((0, 2), (1,)),
+    ),
+    (
+        "worker preempted, no room for a replacement",
+        Failure(K.PREEMPTED, "sigterm", ranks=(1,)),
+        RUN,
+        _cfg(),
+        Capacity(3, 2),
+        Cold(planned=True),
+    ),
+    (
+        "preemptions do not spend the budget",
+        Failure(K.PREEMPTED, "sigterm", ranks=(1,)),
+        RunState(failures=3),
+        _cfg(max_restarts=3),
+        Capacity(3, 3),
+        Warm((0, 2), (1,)),
+    ),
     ("capacity back", Failure(K.CAPACITY_BACK, "room"), RUN, _cfg(), Capacity(2, 3), Cold(planned=True)),
-    ("degraded after a warm restart", Failure(K.DEGRADED, "15x slower"), RunState(failures=3), _cfg(max_restarts=3),
-     Capacity(2, 2), Cold(planned=True)),
+    (
+        "degraded after a warm restart",
+        Failure(K.DEGRADED, "15x slower"),
+        RunState(failures=3),
+        _cfg(max_restarts=3),
+        Capacity(2, 2),
+        Cold(planned=True),
+    ),
     ("replacement ready", Failure(K.REPLACEMENT_READY, "ready"), RUN, _cfg(), Capacity(2, 3), Grow()),
-    ("planned stops do not spend the budget", Failure(K.CAPACITY_BACK, "room"), RunState(failures=3), _cfg(max_restarts=3),
-     Capacity(2, 3), Cold(planned=True)),
-    ("a warm restart that could not be carried out: cold", Failure(K.WORKER_LOST, "rank 1 died", ranks=(1,),
-     warm_skipped="re-forming failed"), RUN, _cfg(), Capacity(3, 3), Cold()),
-    ("... even with the budget spent by the failure itself", Failure(K.HUNG, "rank 2 silent", ranks=(2,),
-     warm_skipped="a survivor did not stop"), RunState(failures=3), _cfg(max_restarts=3), Capacity(3, 3), Cold()),
+    (
+        "planned stops do not spend the budget",
+        Failure(K.CAPACITY_BACK, "room"),
+        RunState(failures=3),
+        _cfg(max_restarts=3),
+        Capacity(2, 3),
+        Cold(planned=True),
+    ),
+    (
+        "a warm restart that could not be carried out: cold",
+        Failure(K.WORKER_LOST, "rank 1 died", ranks=(1,), warm_skipped="re-forming failed"),
+        RUN,
+        _cfg(),
+        Capacity(3, 3),
+        Cold(),
+    ),
+    (
+        "... even with the budget spent by the failure itself",
+        Failure(K.HUNG, "rank 2 silent", ranks=(2,), warm_skipped="a survivor did not stop"),
+        RunState(failures=3),
+        _cfg(max_restarts=3),
+        Capacity(3, 3),
+        Cold(),
+    ),
 ]
 
 
@@ -72,18 +138,26 @@ def test_user_error_is_raised_as_it_is():
 
 
 def test_budget_spent_raises_restarts_exhausted():
-    decision = decide(Failure(K.WORKER_LOST, "rank 1 died", ranks=(1,)), RunState(failures=2, newest=RUN.newest),
-                      _cfg(max_restarts=2), Capacity(3, 3))
+    decision = decide(
+        Failure(K.WORKER_LOST, "rank 1 died", ranks=(1,)),
+        RunState(failures=2, newest=RUN.newest),
+        _cfg(max_restarts=2),
+        Capacity(3, 3),
+    )
     assert isinstance(decision, Raise) and isinstance(decision.error, RestartsExhaustedError)
     text = str(decision.error)
-    assert "max_restarts=2" in text and "rank 1 died" in text and "/ckpt/step-00000040" in text and "resume=True" in text
+    assert (
+        "max_restarts=2" in text and "rank 1 died" in text and "/ckpt/step-00000040" in text and "resume=True" in text
+    )
 
 
 def test_driver_sigterm_raises_preempted_with_the_checkpoint():
     decision = decide(Failure(K.DRIVER_SIGTERM, "stopped by SIGTERM"), RUN, _cfg(), Capacity(3, 3))
     assert isinstance(decision, Raise) and isinstance(decision.error, PreemptedError)
-    assert str(decision.error) == ("stopped by SIGTERM after step 40; checkpoint written to /ckpt/step-00000040: "
-                                   "fit(..., resume=True) continues from it")
+    assert str(decision.error) == (
+        "stopped by SIGTERM after step 40; checkpoint written to /ckpt/step-00000040: "
+        "fit(..., resume=True) continues from it"
+    )
 
 
 def test_only_infrastructure_failures_count():
@@ -91,6 +165,7 @@ def test_only_infrastructure_failures_count():
 
 
 # ---- the chunk plan ---------------------------------------------------------------------------
+
 
 def test_boundaries_stop_at_epoch_checkpoint_eval_and_end():
     plan = ChunkPlan(total=25, steps_per_epoch=10, checkpoint_every=4, eval_every=6, has_eval=True)

@@ -101,11 +101,18 @@ CFG = LossScaling(init_scale=2.0**14, growth_factor=2.0, backoff_factor=0.5, gro
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_fp16_200_steps_follow_gradscaler(device, opt_name):
-    model, opt, state, ref, ref_opt = _ours_and_torch(device, opt_name)  # no scaler state yet: the first fp16 step makes it
+    model, opt, state, ref, ref_opt = _ours_and_torch(
+        device, opt_name
+    )  # no scaler state yet: the first fp16 step makes it
     loss_fn = _Overflow()
     step_fn = make_train_step(model, loss_fn, opt, precision="fp16", loss_scaling=CFG)
-    scaler = torch.amp.GradScaler(device, init_scale=CFG.init_scale, growth_factor=CFG.growth_factor,
-                                  backoff_factor=CFG.backoff_factor, growth_interval=CFG.growth_interval)
+    scaler = torch.amp.GradScaler(
+        device,
+        init_scale=CFG.init_scale,
+        growth_factor=CFG.growth_factor,
+        backoff_factor=CFG.backoff_factor,
+        growth_interval=CFG.growth_interval,
+    )
     scales, skipped, grew = [], [], 0
     for step in range(200):
         x, y = _batch(step, device=device)
@@ -186,7 +193,9 @@ def test_fp16_matches_across_rank_splits():
 
     def run(model, loss_fn, rank, grad_sync, lo, hi):
         opt = optim.sgd(0.05, momentum=0.9)
-        step_fn = make_train_step(model, loss_fn, opt, precision="fp16", loss_scaling=CFG, grad_sync=grad_sync, rank=rank)
+        step_fn = make_train_step(
+            model, loss_fn, opt, precision="fp16", loss_scaling=CFG, grad_sync=grad_sync, rank=rank
+        )
         state, history = TrainState.create(model, opt), []
         for step in range(30):
             loss_fn.mult = 1e38 if step in OVERFLOW else 1.0

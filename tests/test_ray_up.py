@@ -20,7 +20,6 @@ import yaml
 import netns
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def hosts_possible():
     """Checked when the module's tests run, not when it is imported (collecting creates nothing)."""
@@ -31,6 +30,7 @@ def hosts_possible():
         why = "rsync is not installed (the cluster launcher copies file_mounts with it)"
     if why:
         pytest.skip(f"ray up on namespace hosts: {why}")
+
 
 CYCLE_TIMEOUT_S = 1200
 
@@ -56,10 +56,13 @@ def ssh_hosts(request):
 def launcher(hosts: netns.SshHosts, *args: str, timeout: float) -> netns.subprocess.CompletedProcess:
     """The Ray cluster launcher, run from the repository root of the 'laptop' (its own HOME)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HOME=str(hosts.base / "laptop"), PATH=f"{pathlib.Path(netns.RAY).parent}:{env['PATH']}",
-               # Ray 2.60's default autoscaler v2 launched only one of the two worker hosts of the
-               # local provider here (its head instance was dropped as "no longer found"); v1 sets up both.
-               RAY_UP_enable_autoscaler_v2="0")
+    env.update(
+        HOME=str(hosts.base / "laptop"),
+        PATH=f"{pathlib.Path(netns.RAY).parent}:{env['PATH']}",
+        # Ray 2.60's default autoscaler v2 launched only one of the two worker hosts of the
+        # local provider here (its head instance was dropped as "no longer found"); v1 sets up both.
+        RAY_UP_enable_autoscaler_v2="0",
+    )
     t0 = time.monotonic()
     result = netns.sh(netns.RAY, *args, timeout=timeout, check=False, cwd=netns.ROOT, env=env)
     print(f"ray {args[0]}: rc {result.returncode} in {time.monotonic() - t0:.1f} s")
@@ -82,16 +85,27 @@ def test_ray_up_exec_down_leaves_nothing(ssh_hosts, tmp_path):
         up_s = time.monotonic() - start
         deadline = time.monotonic() + 600  # the head's autoscaler sets the worker hosts up over SSH
         while True:
-            status = launcher(ssh_hosts, "exec", str(path), "python -c \"import ray; ray.init(address='auto', logging_level='ERROR'); "
-                              "print('ALIVE', sum(n['Alive'] for n in ray.nodes()))\"", timeout=120).stdout
+            status = launcher(
+                ssh_hosts,
+                "exec",
+                str(path),
+                "python -c \"import ray; ray.init(address='auto', logging_level='ERROR'); "
+                "print('ALIVE', sum(n['Alive'] for n in ray.nodes()))\"",
+                timeout=120,
+            ).stdout
             if "ALIVE 3" in status:
                 break
             assert time.monotonic() < deadline, status
             time.sleep(5)
         nodes_s = time.monotonic() - start
-        run = launcher(ssh_hosts, "exec", str(path),
-                       "cd ~/raympi && OMP_NUM_THREADS=1 python examples/mnist.py --address auto --dataset fashion-mnist "
-                       "--workers 3 --epochs 1 --subset 1200 --checkpoint-dir /tmp/mnist-ck", timeout=600)
+        run = launcher(
+            ssh_hosts,
+            "exec",
+            str(path),
+            "cd ~/raympi && OMP_NUM_THREADS=1 python examples/mnist.py --address auto --dataset fashion-mnist "
+            "--workers 3 --epochs 1 --subset 1200 --checkpoint-dir /tmp/mnist-ck",
+            timeout=600,
+        )
         out = run.stdout + run.stderr
         assert re.search(r"accuracy", out, re.I), out[-4000:]
         print(out[-1500:])
@@ -109,8 +123,10 @@ def test_ray_up_exec_down_leaves_nothing(ssh_hosts, tmp_path):
     down = time.monotonic()
     deadline = down + 60
     while True:
-        left = {h.ns: {pid: netns.sh("ps", "-o", "comm=", "-p", str(pid), check=False).stdout.strip() for pid in h.pids()}
-                for h in ssh_hosts.hosts}
+        left = {
+            h.ns: {pid: netns.sh("ps", "-o", "comm=", "-p", str(pid), check=False).stdout.strip() for pid in h.pids()}
+            for h in ssh_hosts.hosts
+        }
         stray = {ns: names for ns, names in left.items() if not set(names.values()) <= {"sshd", "unshare", ""}}
         if not stray:
             break

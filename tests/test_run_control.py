@@ -29,8 +29,14 @@ def _net():
 
 
 def _fit(tmp_path, name="ck", **kw):
-    options = dict(workers=2, epochs=4, batch_size=32, progress=False, optimizer=raympi.optim.sgd(0.1),
-                   checkpoint_dir=str(tmp_path / name))
+    options = dict(
+        workers=2,
+        epochs=4,
+        batch_size=32,
+        progress=False,
+        optimizer=raympi.optim.sgd(0.1),
+        checkpoint_dir=str(tmp_path / name),
+    )
     return raympi.fit(kw.pop("model", None) or _net(), kw.pop("dataset", None) or _data(), **{**options, **kw})
 
 
@@ -96,15 +102,23 @@ def five_steps(ray_session, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"batch_size": 64}, ["batch_size was 32, now 64"]),
-    ({"seed": 7}, ["seed was 0, now 7"]),
-    ({"dataset": (_data()[0][:200], _data()[1][:200])}, ["num_samples was 256, now 200"]),
-    ({"model": nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))}, ["'0.weight' was of shape [16, 8], now [32, 8]"]),
-    ({"optimizer": raympi.optim.adam(1e-3)},
-     ['the optimizer state was {"count": []}, now {"count": [], "mu": "per parameter", "nu": "per parameter"}']),
-    ({"optimizer": raympi.optim.sgd(0.1, momentum=0.9)}, ['now {"count": [], "trace": "per parameter"}']),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"batch_size": 64}, ["batch_size was 32, now 64"]),
+        ({"seed": 7}, ["seed was 0, now 7"]),
+        ({"dataset": (_data()[0][:200], _data()[1][:200])}, ["num_samples was 256, now 200"]),
+        (
+            {"model": nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))},
+            ["'0.weight' was of shape [16, 8], now [32, 8]"],
+        ),
+        (
+            {"optimizer": raympi.optim.adam(1e-3)},
+            ['the optimizer state was {"count": []}, now {"count": [], "mu": "per parameter", "nu": "per parameter"}'],
+        ),
+        ({"optimizer": raympi.optim.sgd(0.1, momentum=0.9)}, ['now {"count": [], "trace": "per parameter"}']),
+    ],
+)
 def test_resume_with_another_configuration_names_each_difference(five_steps, change, words):
     start = time.monotonic()
     with pytest.raises(ConfigError) as info:
@@ -143,11 +157,13 @@ def test_use_gpu_on_a_cpu_cluster_points_at_use_gpu(ray_session, tmp_path):
 
 def test_accumulation_metrics_lr_and_ema_through_fit(ray_session, tmp_path):
     """accumulate=4 gives the update of accumulate=1; user metrics, the injected lr and the EMA are reported."""
+
     def mae(outputs, targets):
         return (outputs.argmax(1) != targets).float().mean()
 
-    opt = raympi.optim.chain(raympi.optim.inject_hyperparams(raympi.optim.sgd)(lr=raympi.optim.cosine_decay(0.1, 32)),
-                             raympi.optim.ema(0.9))
+    opt = raympi.optim.chain(
+        raympi.optim.inject_hyperparams(raympi.optim.sgd)(lr=raympi.optim.cosine_decay(0.1, 32)), raympi.optim.ema(0.9)
+    )
     kw = dict(optimizer=opt, metrics={"error": mae}, eval_dataset=_data(), eval_every=16)
     one = _fit(tmp_path, "one", **kw)
     four = _fit(tmp_path, "four", accumulate=4, eval_with_ema=True, **kw)
@@ -185,10 +201,20 @@ def test_optimizer_layout_folds_parameters_and_older_checkpoints_still_resume():
     assert _optimizer_layout(decay_weights_only, model) == _optimizer_layout(raympi.optim.adamw(1e-3), model)
     assert _optimizer_layout(raympi.optim.sgd(0.1, momentum=0.9), model) == {"count": [], "trace": "per parameter"}
     only = lambda name: raympi.optim.masked(raympi.optim.sgd(0.1, momentum=0.9), lambda p: {n: n == name for n in p})  # noqa: E731
-    assert _optimizer_layout(only("weight"), model) == {"inner_state": {"count": [], "trace": {"per parameter": ["weight"]}}}
+    assert _optimizer_layout(only("weight"), model) == {
+        "inner_state": {"count": [], "trace": {"per parameter": ["weight"]}}
+    }
     assert _optimizer_layout(only("bias"), model) != _optimizer_layout(only("weight"), model)
-    now = {"batch_size": 8, "seed": 0, "num_samples": 64, "params": {"weight": [2, 3], "bias": [2]},
-           "frozen": [], "optimizer_state": _optimizer_layout(raympi.optim.adam(1e-3), model)}
+    now = {
+        "batch_size": 8,
+        "seed": 0,
+        "num_samples": 64,
+        "params": {"weight": [2, 3], "bias": [2]},
+        "frozen": [],
+        "optimizer_state": _optimizer_layout(raympi.optim.adam(1e-3), model),
+    }
     older = {k: v for k, v in now.items() if k not in ("optimizer_state", "frozen")}
     assert _differences(older, now) == [] and _differences({**now, "optimizer_state": {"count": []}}, now)
-    assert _differences({**now, "frozen": ["bias"]}, now) == ["the frozen parameters (requires_grad=False) were ['bias'], now []"]
+    assert _differences({**now, "frozen": ["bias"]}, now) == [
+        "the frozen parameters (requires_grad=False) were ['bias'], now []"
+    ]

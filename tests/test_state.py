@@ -27,9 +27,7 @@ def _model() -> nn.Module:
 def _equal_trees(a, b) -> bool:
     la, sa = pytree.tree_flatten(a)
     lb, sb = pytree.tree_flatten(b)
-    return sa == sb and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
-    )
+    return sa == sb and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
 
 
 def _stepped_state(opt: optim.GradientTransformation) -> TrainState:
@@ -37,9 +35,7 @@ def _stepped_state(opt: optim.GradientTransformation) -> TrainState:
     state = TrainState.create(_model(), opt, seed=7)
     grads = {n: torch.ones_like(p) for n, p in state.params.items()}
     updates, opt_state = opt.update(grads, state.opt_state, state.params)
-    return state.replace(
-        params=optim.apply_updates(state.params, updates), opt_state=opt_state, step=state.step + 1
-    )
+    return state.replace(params=optim.apply_updates(state.params, updates), opt_state=opt_state, step=state.step + 1)
 
 
 def test_create_copies_and_splits_the_model():

@@ -159,7 +159,7 @@ def _train_split(sizes: list[int], steps: int = 20):
 
 
 def test_global_batch_rule_any_split_same_update():
-    (single, single_hist), = _train_split([64])
+    ((single, single_hist),) = _train_split([64])
     for sizes in ([22, 21, 21], [16, 16, 16, 16]):
         results = _train_split(sizes)
         for state, history in results:
@@ -218,10 +218,13 @@ def test_user_metrics_are_global_means(accumulate):
 
     def rank_main(rank: int, grad_sync):
         opt = optim.sgd(0.1)
-        step_fn = make_train_step(models[rank], F.cross_entropy, opt, grad_sync=grad_sync, rank=rank,
-                                  accumulate=accumulate, metrics=fns)
+        step_fn = make_train_step(
+            models[rank], F.cross_entropy, opt, grad_sync=grad_sync, rank=rank, accumulate=accumulate, metrics=fns
+        )
         lo = sum(sizes[:rank])
-        return step_fn(TrainState.create(models[rank], opt), (x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]), total)[1]
+        return step_fn(
+            TrainState.create(models[rank], opt), (x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]), total
+        )[1]
 
     m0, m1 = _run_ranks(2, rank_main)
     assert m0 == m1
@@ -540,9 +543,7 @@ def test_benchmark_quick_runs():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.main(["--quick"])
-    assert [(r["model"], r["optimizer"]) for r in rows] == [
-        (m, o) for m in bench.MODELS for o in bench.OPTIMIZERS
-    ]
+    assert [(r["model"], r["optimizer"]) for r in rows] == [(m, o) for m in bench.MODELS for o in bench.OPTIMIZERS]
     assert all(r["ratio"] > 0 and r["donated_ratio"] > 0 for r in rows)
 
 

@@ -33,8 +33,15 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot 
 
 def net(frozen: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 64),
-                          nn.ReLU(), nn.Linear(64, 5))
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 64),
+        nn.ReLU(),
+        nn.Linear(64, 5),
+    )
     if frozen:
         model[0].weight.requires_grad_(False)
     return model
@@ -59,8 +66,14 @@ def self_comm():
 
 def test_a_tree_is_summed_in_place_with_shapes_and_dtypes_kept(self_comm):
     sync = process_group.connect(self_comm, "gloo", "127.0.0.1", timeout_s=30)
-    tree = {"grads": {"a": torch.arange(6.0).view(2, 3), "big": torch.ones(70_000), "h": torch.ones(3, dtype=torch.bfloat16)},
-            "stats": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    tree = {
+        "grads": {
+            "a": torch.arange(6.0).view(2, 3),
+            "big": torch.ones(70_000),
+            "h": torch.ones(3, dtype=torch.bfloat16),
+        },
+        "stats": torch.tensor([1.0, 2.0], dtype=torch.float64),
+    }
     before = {k: v.clone() for k, v in tree["grads"].items()}
     assert sync(tree) is None
     for k, v in tree["grads"].items():  # a sum over one rank is the tensor itself
@@ -102,8 +115,9 @@ def test_an_unknown_transport_is_refused(self_comm):
 def _rank_class(ray):
     @ray.remote(num_cpus=0)
     class Rank(comm.Member):
-        def train(self, transport: str, overlap: bool, precision: str, accumulate: int, frozen: bool,
-                  steps: int = 4) -> dict:
+        def train(
+            self, transport: str, overlap: bool, precision: str, accumulate: int, frozen: bool, steps: int = 4
+        ) -> dict:
             torch.set_num_threads(1)
             self.comm.bucket_bytes = 8 * 1024  # several buckets
             model = net(frozen)
@@ -111,13 +125,29 @@ def _rank_class(ray):
                 opt = optim.adamw(1e-2, weight_decay=0.1, mask=lambda p: {n: t.ndim >= 2 for n, t in p.items()})
             else:
                 opt = optim.sgd(0.05, momentum=0.9)
-            sync = (process_group.connect(self.comm, transport, "127.0.0.1", timeout_s=30) if transport != "mpi"
-                    else BucketAllreduce(self.comm) if overlap else self.comm.allreduce_)
-            step = make_train_step(model, F.cross_entropy, opt, grad_sync=sync, rank=self.comm.rank, donate=True,
-                                   precision=precision, accumulate=accumulate, overlap=overlap)
+            sync = (
+                process_group.connect(self.comm, transport, "127.0.0.1", timeout_s=30)
+                if transport != "mpi"
+                else BucketAllreduce(self.comm)
+                if overlap
+                else self.comm.allreduce_
+            )
+            step = make_train_step(
+                model,
+                F.cross_entropy,
+                opt,
+                grad_sync=sync,
+                rank=self.comm.rank,
+                donate=True,
+                precision=precision,
+                accumulate=accumulate,
+                overlap=overlap,
+            )
             state = TrainState.create(model, opt, loss_scaling=raympi.LossScaling() if precision == "fp16" else None)
-            state = state.replace(params={k: v.clone() for k, v in state.params.items()},
-                                  buffers={k: v.clone() for k, v in state.buffers.items()})
+            state = state.replace(
+                params={k: v.clone() for k, v in state.params.items()},
+                buffers={k: v.clone() for k, v in state.buffers.items()},
+            )
             world, out = self.comm.size, []
             for i in range(steps):
                 x, y = _batch(i, self.comm.rank, 8 + 2 * self.comm.rank)  # uneven local batches
@@ -163,13 +193,24 @@ def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
     for part in ("params", "buffers"):
         for k in b[part]:
             torch.testing.assert_close(a[part][k], b[part][k], rtol=tol, atol=tol, msg=f"{part} {k}")
-    assert [m["loss"] for m in a["metrics"]] == pytest.approx([m["loss"] for m in b["metrics"]], rel=tol, abs=tol, nan_ok=True)
+    assert [m["loss"] for m in a["metrics"]] == pytest.approx(
+        [m["loss"] for m in b["metrics"]], rel=tol, abs=tol, nan_ok=True
+    )
 
 
-@pytest.mark.parametrize("world, overlap, precision, accumulate, frozen", [
-    (2, False, "fp32", 1, False), (3, True, "fp32", 1, False), (3, False, "fp32", 4, False), (2, True, "fp32", 4, True),
-    (2, True, "bf16", 1, False), (3, False, "bf16", 2, True), (2, False, "fp16", 1, False), (3, True, "fp16", 2, False),
-])
+@pytest.mark.parametrize(
+    "world, overlap, precision, accumulate, frozen",
+    [
+        (2, False, "fp32", 1, False),
+        (3, True, "fp32", 1, False),
+        (3, False, "fp32", 4, False),
+        (2, True, "fp32", 4, True),
+        (2, True, "bf16", 1, False),
+        (3, False, "bf16", 2, True),
+        (2, False, "fp16", 1, False),
+        (3, True, "fp16", 2, False),
+    ],
+)
 def test_gloo_ranks_train_like_mpi(ray_session, ranks, world, overlap, precision, accumulate, frozen):
     peers = ranks[:world]
     comm.form(peers, timeout_s=60)
@@ -212,7 +253,9 @@ def test_fit_over_gloo_ends_where_mpi_does_with_1_2_and_3_workers(ray_session, t
     opts = dict(batch_size=24, epochs=1, progress=False, optimizer=optim.sgd(0.05, momentum=0.9))
     ref = raympi.fit(mlp(), _data(), workers=2, grad_transport="mpi", checkpoint_dir=str(tmp_path / "mpi"), **opts)
     for workers in (1, 2, 3):
-        got = raympi.fit(mlp(), _data(), workers=workers, grad_transport="gloo", checkpoint_dir=str(tmp_path / f"g{workers}"), **opts)
+        got = raympi.fit(
+            mlp(), _data(), workers=workers, grad_transport="gloo", checkpoint_dir=str(tmp_path / f"g{workers}"), **opts
+        )
         for k, v in ref.state.params.items():
             torch.testing.assert_close(got.state.params[k], v, rtol=1e-5, atol=1e-5, msg=f"{workers} workers: {k}")
         assert len(got.metrics) == len(ref.metrics) == 8

@@ -31,7 +31,6 @@ from raympi.exceptions import CollectiveAborted, ConfigError
 __all__ = ["BucketAllreduce"]
 
 
-
 @dataclasses.dataclass
 class _Bucket:
     tensor: torch.Tensor  # the caller's flat buffer
@@ -59,8 +58,10 @@ class BucketAllreduce:
 
     def __init__(self, comm: Any, thread: Optional[bool] = None) -> None:
         if getattr(comm, "compression", None):
-            raise ConfigError(f"overlap=True does not combine with compression={comm.compression!r}: "
-                              "set overlap=False, or compression=None")
+            raise ConfigError(
+                f"overlap=True does not combine with compression={comm.compression!r}: "
+                "set overlap=False, or compression=None"
+            )
         self.comm = comm
         self.bucket_bytes: int = comm.bucket_bytes
         self.thread = thread
@@ -169,8 +170,12 @@ class BucketAllreduce:
     def _ensure_worker(self) -> None:
         if self._worker is None:
             self._queue, self._cancel, self._error = queue.SimpleQueue(), threading.Event(), None
-            self._worker = threading.Thread(target=self._serve, args=(self._queue, self._cancel), daemon=True,
-                                            name=f"raympi-allreduce-{self.comm.rank}")
+            self._worker = threading.Thread(
+                target=self._serve,
+                args=(self._queue, self._cancel),
+                daemon=True,
+                name=f"raympi-allreduce-{self.comm.rank}",
+            )
             self._worker.start()
 
     def _serve(self, jobs: "queue.SimpleQueue[Optional[_Bucket]]", cancel: threading.Event) -> None:

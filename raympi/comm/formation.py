@@ -74,8 +74,9 @@ class Member:
         if current is not MPI.COMM_SELF:
             current.Free()
 
-    def mpi_finish(self, rank: int, size: int, joins: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   compression: str | None = None) -> tuple[int, int, str]:
+    def mpi_finish(
+        self, rank: int, size: int, joins: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, compression: str | None = None
+    ) -> tuple[int, int, str]:
         """Close formation with a collective agreement; returns (rank, size, host).
 
         Each member contributes whether its own formation went right: no merge round it went through
@@ -102,8 +103,13 @@ class Member:
         return self.comm.rank, self.comm.size, host
 
 
-def form(actors: Sequence[Any], *, timeout_s: float = 60.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         compression: str | None = None) -> list[tuple[int, int, str]]:
+def form(
+    actors: Sequence[Any],
+    *,
+    timeout_s: float = 60.0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    compression: str | None = None,
+) -> list[tuple[int, int, str]]:
     """Join Ray actors (instances of a :class:`Member` subclass) into one MPI communicator.
 
     Args:
@@ -140,7 +146,9 @@ def form(actors: Sequence[Any], *, timeout_s: float = 60.0, bucket_bytes: int = 
         groups = [[rank] for rank in range(size)]
         while len(groups) > 1:
             pairs = [(groups[i], groups[i + 1]) for i in range(0, len(groups) - 1, 2)]
-            ports = _results(ray, size, {left[0]: actors[left[0]].mpi_open_port.remote() for left, _ in pairs}, deadline)
+            ports = _results(
+                ray, size, {left[0]: actors[left[0]].mpi_open_port.remote() for left, _ in pairs}, deadline
+            )
             calls = {}
             for (left, right), port in zip(pairs, ports):
                 calls.update({r: actors[r].mpi_join.remote(port, True) for r in left})

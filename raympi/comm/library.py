@@ -42,8 +42,11 @@ def cuda_aware() -> str:
     text = _load().Get_library_version()
     configure = re.search(r"MPICH configure:\s*(.*)", text)
     if configure:
-        return ("yes (MPICH built --with-cuda)" if "--with-cuda" in configure.group(1)
-                else "no (MPICH built without --with-cuda): GPU gradients over MPI are staged through host memory")
+        return (
+            "yes (MPICH built --with-cuda)"
+            if "--with-cuda" in configure.group(1)
+            else "no (MPICH built without --with-cuda): GPU gradients over MPI are staged through host memory"
+        )
     if "Open MPI" in text:
         return "unknown (Open MPI: see ompi_info --parsable --all | grep mpi_built_with_cuda_support)"
     return "unknown"

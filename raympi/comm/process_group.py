@@ -40,12 +40,15 @@ from raympi.exceptions import CollectiveAborted, ConfigError, FormationError
 __all__ = ["TRANSPORTS", "ProcessGroupSum", "connect"]
 
 TRANSPORTS = ("mpi", "gloo", "nccl")
+# Looked up, not imported: a torch without distributed support has none (connect() refuses it first).
+TCPStore: Any = getattr(dist, "TCPStore", None)
 _SIXTEEN = (torch.bfloat16, torch.float16)
 POLL_S = 0.05  # how often a gloo wait looks at the abort flag (the future's callback wakes it at once)
 
 
-def connect(comm: Communicator, backend: str, address: str, timeout_s: float = 120.0, *,
-            fp32_reduce: bool = False) -> "ProcessGroupSum":
+def connect(
+    comm: Communicator, backend: str, address: str, timeout_s: float = 120.0, *, fp32_reduce: bool = False
+) -> "ProcessGroupSum":
     """Build a ``backend`` process group over the ranks of ``comm``; collective over ``comm``.
 
     Args:
@@ -72,15 +75,15 @@ def connect(comm: Communicator, backend: str, address: str, timeout_s: float = 1
         raise ConfigError(f"grad_transport must be one of {list(TRANSPORTS)}, got {backend!r}")
     available = dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()
     if not available:
-        raise ConfigError(f"grad_transport={backend!r}: this torch build has no {backend} (torch.distributed."
-                          f"is_{backend}_available() is False); use grad_transport='mpi'")
+        raise ConfigError(
+            f"grad_transport={backend!r}: this torch build has no {backend} (torch.distributed."
+            f"is_{backend}_available() is False); use grad_transport='mpi'"
+        )
     timeout = datetime.timedelta(seconds=timeout_s)
     store, fault = None, None
     if comm.rank == 0:
         try:
-            # [attr-defined]: torch.distributed imports TCPStore from torch._C without an explicit re-export.
-            store = dist.TCPStore(address, 0, comm.size, True,  # type: ignore[attr-defined]
-                                  timeout=timeout, wait_for_workers=False)
+            store = TCPStore(address, 0, comm.size, True, timeout=timeout, wait_for_workers=False)
             found: tuple[str, Optional[int], Optional[str]] = (address, store.port, None)
         except Exception as exc:  # told to every rank before anyone waits on the store
             found = (address, None, f"{type(exc).__name__}: {exc}")
@@ -92,8 +95,7 @@ def connect(comm: Communicator, backend: str, address: str, timeout_s: float = 1
         if fault is None:
             if store is None:
                 # No fault: rank 0 made the store and sent its port.
-                store = dist.TCPStore(host, cast(int, port), comm.size, False,  # type: ignore[attr-defined]
-                                      timeout=timeout)
+                store = TCPStore(host, cast(int, port), comm.size, False, timeout=timeout)
             pg = _backend(backend, store, comm.rank, comm.size, address, timeout)
             proof = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
             pg.allreduce([proof]).wait()
@@ -106,8 +108,10 @@ def connect(comm: Communicator, backend: str, address: str, timeout_s: float = 1
     verdicts = comm.mpi.allgather(fault)  # the same outcome on every rank
     faults = [f"rank {r}: {f}" for r, f in enumerate(verdicts) if f]
     if faults:
-        raise FormationError(f"the {backend} process group over {comm.size} ranks (store on {host}) could not "
-                             f"be built: {'; '.join(faults)}; use grad_transport='mpi' to sum gradients over MPI")
+        raise FormationError(
+            f"the {backend} process group over {comm.size} ranks (store on {host}) could not "
+            f"be built: {'; '.join(faults)}; use grad_transport='mpi' to sum gradients over MPI"
+        )
     return ProcessGroupSum(comm, pg, backend, store, fp32_reduce=fp32_reduce)
 
 
@@ -163,13 +167,13 @@ class ProcessGroupSum:
         for flat, group in flats:
             offset = 0
             for t in group:
-                t.detach().copy_(flat[offset: offset + t.numel()].view(t.shape))
+                t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
                 offset += t.numel()
 
     def _start_sliced(self, flat: torch.Tensor) -> None:
         step = max(1, self.bucket_bytes // flat.element_size())
         for start in range(0, flat.numel(), step):
-            self.start(flat[start: start + step])
+            self.start(flat[start : start + step])
 
     def start(self, bucket: torch.Tensor) -> None:
         """Start summing ``bucket`` (flat, contiguous) over the ranks; returns at once."""
@@ -227,7 +231,9 @@ class ProcessGroupSum:
             w.work.wait()  # gloo: done, raises its error if any; NCCL: the current stream waits for NCCL's
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CollectiveAborted(f"rank {self.comm.rank}: {self.backend} allreduce failed (a peer failed?): {first}") from None
+            raise CollectiveAborted(
+                f"rank {self.comm.rank}: {self.backend} allreduce failed (a peer failed?): {first}"
+            ) from None
 
     def abandon(self) -> None:
         """Forget the buckets in flight; they, and this process group, stay alive for the backend's threads."""

@@ -16,7 +16,17 @@ import torch
 from raympi.comm.wire import INPLACE_MIN_BYTES, WIDENED
 from raympi.core import pytree
 
-__all__ = ["REDUCE_AS", "REDUCIBLE", "WIRE", "allreduce_tree_", "as_16bit_ints", "empty_payload", "pack_tree", "sum_16bit", "unpack_tree"]
+__all__ = [
+    "REDUCE_AS",
+    "REDUCIBLE",
+    "WIRE",
+    "allreduce_tree_",
+    "as_16bit_ints",
+    "empty_payload",
+    "pack_tree",
+    "sum_16bit",
+    "unpack_tree",
+]
 
 # MPI has no 16-bit float types: such tensors are summed in float32 (see raympi.comm.wire.WIDENED).
 REDUCE_AS = {getattr(torch, name): torch.float32 for name in WIDENED}
@@ -37,7 +47,12 @@ def allreduce_tree_(reduce_flat: Callable[..., None], tensors: Any, compression:
             raise TypeError(f"allreduce cannot sum tensors of dtype {t.dtype}")
         if compression and t.dtype == torch.float32:
             wire = WIRE[compression]
-        if t.dtype == wire and t.is_contiguous() and not t.is_cuda and t.numel() * t.element_size() >= INPLACE_MIN_BYTES:
+        if (
+            t.dtype == wire
+            and t.is_contiguous()
+            and not t.is_cuda
+            and t.numel() * t.element_size() >= INPLACE_MIN_BYTES
+        ):
             reduce_flat(t.detach().view(-1))
         else:
             packed.setdefault(wire, []).append(t)
@@ -69,7 +84,9 @@ def pack_tree(tree: Any) -> tuple[tuple[Any, list[Any], int], torch.Tensor]:
     leaves, spec = pytree.flatten(tree)
     layout = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("obj", x) for x in leaves]
     tensors = [x.detach().contiguous().cpu() for x in leaves if isinstance(x, torch.Tensor)]
-    payload = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+    payload = (
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+    )
     return (spec, layout, payload.numel()), payload
 
 
@@ -100,6 +117,7 @@ def sum_16bit(name: str) -> Any:
         with warnings.catch_warnings():  # MPI may hand a read-only input buffer; it is only read
             warnings.simplefilter("ignore", UserWarning)
             torch.frombuffer(inoutbuf, dtype=dtype).add_(torch.frombuffer(inbuf, dtype=dtype))
+
     return op
 
 

@@ -35,8 +35,9 @@ def check_accumulate(accumulate: Any) -> int:
     return accumulate
 
 
-def micro_batches(args: tuple[Any, ...], kwargs: dict[str, Any], targets: torch.Tensor, n: int, k: int
-                  ) -> list[MicroBatch]:
+def micro_batches(
+    args: tuple[Any, ...], kwargs: dict[str, Any], targets: torch.Tensor, n: int, k: int
+) -> list[MicroBatch]:
     """Cut a batch into ``min(k, n)`` micro-batches along dim 0, sizes differing by at most one.
 
     ``torch.tensor_split`` cuts the targets and every input tensor whose first

@@ -19,8 +19,15 @@ from raympi.core.batch import correct_predictions
 from raympi.exceptions import ConfigError, TrainingError
 
 __all__ = [
-    "Metrics", "MetricFn", "RESERVED", "StatsLayout", "StepStats",
-    "check_metric_names", "stats_row", "read_stats", "means_to_sums",
+    "Metrics",
+    "MetricFn",
+    "RESERVED",
+    "StatsLayout",
+    "StepStats",
+    "check_metric_names",
+    "stats_row",
+    "read_stats",
+    "means_to_sums",
 ]
 
 Metrics = dict[str, Any]
@@ -110,14 +117,16 @@ def check_metric_names(metric_fns: dict[str, MetricFn], reserved: tuple[str, ...
 def _metric_value(name: str, value: Any) -> torch.Tensor:
     """A metric function's result as a float64 0-d tensor, or a clear error."""
     if not isinstance(value, torch.Tensor) or value.ndim != 0:
-        raise TrainingError(
-            f"metric {name!r} must return a scalar tensor (the mean over the batch), got {value!r:.80}"
-        )
+        raise TrainingError(f"metric {name!r} must return a scalar tensor (the mean over the batch), got {value!r:.80}")
     return value.detach().to(torch.float64)
 
 
 def stats_row(
-    loss: torch.Tensor, outputs: Any, targets: torch.Tensor, n: int, metric_fns: dict[str, MetricFn],
+    loss: torch.Tensor,
+    outputs: Any,
+    targets: torch.Tensor,
+    n: int,
+    metric_fns: dict[str, MetricFn],
     layout: StatsLayout,
 ) -> tuple[torch.Tensor, bool]:
     """One batch's row of sums, without the overflow flags; no host read.
@@ -165,8 +174,9 @@ def read_stats(values: list[float], layout: StatsLayout, classify: bool) -> Step
     return StepStats(metrics, loss_sum, overflow)
 
 
-def means_to_sums(outputs: Any, targets: torch.Tensor, n: int, metric_fns: dict[str, MetricFn],
-                  names: list[str]) -> list[float]:
+def means_to_sums(
+    outputs: Any, targets: torch.Tensor, n: int, metric_fns: dict[str, MetricFn], names: list[str]
+) -> list[float]:
     """``n * metric`` for each name, read to the host at once (eval: sums add up over batches).
 
     Args:

@@ -78,8 +78,13 @@ def plan_buckets(params: dict[str, torch.Tensor], bucket_bytes: int) -> list[lis
 class Buckets:
     """One backward pass's buckets.  Use as a context manager: an error abandons what is in flight."""
 
-    def __init__(self, params: dict[str, torch.Tensor], sync: BucketSync,
-                 earlier: Optional[dict[str, torch.Tensor]], check_finite: bool) -> None:
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        sync: BucketSync,
+        earlier: Optional[dict[str, torch.Tensor]],
+        check_finite: bool,
+    ) -> None:
         """``earlier``: the summed gradients of the micro-batches before (consumed); ``check_finite``:
         append fp16's "this rank's gradients overflowed" flag to the statistics row (where
         :attr:`raympi.core.metrics.StatsLayout.rank_overflows` reads it)."""
@@ -92,7 +97,7 @@ class Buckets:
             flat = torch.empty(sum(params[n].numel() for n in names), dtype=first.dtype, device=first.device)
             offset = 0
             for n in names:
-                self.slot[n] = (len(self.flats), flat[offset: offset + params[n].numel()].view(params[n].shape))
+                self.slot[n] = (len(self.flats), flat[offset : offset + params[n].numel()].view(params[n].shape))
                 offset += params[n].numel()
             self.flats.append(flat)
             self.missing.append(set(names))
@@ -116,13 +121,16 @@ class Buckets:
             self._put(name, grad)
             self._start_ready()
             return self.slot[name][1]  # autograd.grad returns the bucket's view; its own tensor is freed
+
         return hook
 
     def _put(self, name: str, grad: torch.Tensor) -> None:
         index, view = self.slot[name]
         if name not in self.missing[index]:
-            raise TrainingError(f"overlap=True: the gradient of {name!r} arrived twice in one backward pass "
-                                "(a reentrant backward?); build the step with overlap=False")
+            raise TrainingError(
+                f"overlap=True: the gradient of {name!r} arrived twice in one backward pass "
+                "(a reentrant backward?); build the step with overlap=False"
+            )
         if self.earlier is not None:
             torch.add(self.earlier.pop(name), grad, out=view)
         else:
@@ -137,7 +145,9 @@ class Buckets:
             self.sync.start(flat)
             self.next += 1
 
-    def finish(self, grads: dict[str, torch.Tensor], stats: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def finish(
+        self, grads: dict[str, torch.Tensor], stats: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """After backward: fill in the gradients no hook saw (unused parameters: autograd's zeros),
         start what is left and the statistics row, wait for all; returns the summed ``(grads, stats)``."""
         for name, grad in grads.items():

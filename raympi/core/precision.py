@@ -74,8 +74,7 @@ def check_precision(precision: Any, loss_scaling: Any) -> None:
         return
     if precision != "fp16":
         raise ConfigError(
-            f"loss_scaling is only used with precision='fp16' (got precision={precision!r}): "
-            "drop it, or train in fp16"
+            f"loss_scaling is only used with precision='fp16' (got precision={precision!r}): drop it, or train in fp16"
         )
     s = loss_scaling
     if not isinstance(s, LossScaling):

@@ -13,7 +13,17 @@ from torch.utils import _pytree as _pt
 
 TreeSpec = _pt.TreeSpec
 
-__all__ = ["TreeSpec", "flatten", "unflatten", "map", "leaves", "tensor_leaves", "register_dataclass", "to_arrays", "from_arrays"]
+__all__ = [
+    "TreeSpec",
+    "flatten",
+    "unflatten",
+    "map",
+    "leaves",
+    "tensor_leaves",
+    "register_dataclass",
+    "to_arrays",
+    "from_arrays",
+]
 
 
 def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
@@ -47,8 +57,12 @@ def to_arrays(tree: Any) -> Any:
     Ray moves numpy arrays zero-copy (out-of-band pickle 5 buffers, read in place from the object
     store), while a pickled tensor goes through ``torch.save`` into bytes and is copied again on load.
     """
-    return map(lambda x: x.detach().numpy() if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in _NUMPY
-               else x, tree)
+    return map(
+        lambda x: (
+            x.detach().numpy() if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in _NUMPY else x
+        ),
+        tree,
+    )
 
 
 def from_arrays(tree: Any) -> Any:
@@ -61,7 +75,17 @@ def from_arrays(tree: Any) -> Any:
         return map(lambda x: torch.from_numpy(x) if isinstance(x, np.ndarray) else x, tree)
 
 
-_NUMPY = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+_NUMPY = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
 
 
 def register_dataclass(cls: type, field_names: list[str]) -> type:

@@ -102,9 +102,7 @@ class TrainState:
                 "registers its weights as nn.Parameter and that they are not frozen."
             )
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        buffers.update(
-            {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-        )
+        buffers.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
         return cls(
             params=params,
             buffers=buffers,
@@ -155,9 +153,7 @@ class TrainState:
         """
         missing, extra = set(_FIELDS) - set(_OPTIONAL) - set(d), set(d) - set(_FIELDS)
         if missing or extra:
-            raise ValueError(
-                f"not a TrainState dict: missing {sorted(missing)}, unknown {sorted(extra)}"
-            )
+            raise ValueError(f"not a TrainState dict: missing {sorted(missing)}, unknown {sorted(extra)}")
         fields = {f: d[f] if f in d else _OPTIONAL[f]() for f in _FIELDS}
         fields["opt_state"] = from_plain(fields["opt_state"])
         return cls(**fields)

@@ -42,12 +42,27 @@ from raympi.core.accumulate import MicroBatch, check_accumulate, micro_batches
 from raympi.core.batch import Batch, split_batch
 from raympi.core.evaluate import make_eval_step
 from raympi.core.metrics import (
-    RESERVED, MetricFn, Metrics, StatsLayout, StepStats, check_metric_names, read_stats, stats_row,
+    RESERVED,
+    MetricFn,
+    Metrics,
+    StatsLayout,
+    StepStats,
+    check_metric_names,
+    read_stats,
+    stats_row,
 )
 from raympi.core.mode import in_mode
 from raympi.core.optim import GradientTransformation, apply_gradients
 from raympi.core.overlap import Buckets, BucketSync
-from raympi.core.precision import LossScaling, Precision, autocast, check_precision, next_loss_scale, nonfinite_flag, unscale_
+from raympi.core.precision import (
+    LossScaling,
+    Precision,
+    autocast,
+    check_precision,
+    next_loss_scale,
+    nonfinite_flag,
+    unscale_,
+)
 from raympi.core.rng import seed_generators, step_seed
 from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
@@ -200,12 +215,25 @@ def make_train_step(
     trainable = frozenset(_trainable(model))
     overlapped = overlap and grad_sync is not None
     if overlapped and not isinstance(grad_sync, BucketSync):
-        raise ConfigError("overlap=True needs a grad_sync with bucket_bytes, start, finish and abandon "
-                          "(raympi.core.overlap.BucketSync, e.g. raympi.comm.buckets.BucketAllreduce)")
+        raise ConfigError(
+            "overlap=True needs a grad_sync with bucket_bytes, start, finish and abandon "
+            "(raympi.core.overlap.BucketSync, e.g. raympi.comm.buckets.BucketAllreduce)"
+        )
     setup = _Setup(
-        model=model, loss_fn=loss_fn, optimizer=optimizer, grad_sync=grad_sync, on_nonfinite=on_nonfinite,
-        rank=rank, donate=donate, precision=precision, scaler=scaler, accumulate=accumulate, metric_fns=metric_fns,
-        overlapped=overlapped, layout=layout, trainable=trainable,
+        model=model,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        grad_sync=grad_sync,
+        on_nonfinite=on_nonfinite,
+        rank=rank,
+        donate=donate,
+        precision=precision,
+        scaler=scaler,
+        accumulate=accumulate,
+        metric_fns=metric_fns,
+        overlapped=overlapped,
+        layout=layout,
+        trainable=trainable,
         mutable=frozenset(n for n, _ in model.named_buffers()),  # frozen parameters are never written
     )
 
@@ -257,8 +285,9 @@ class _Setup:
     mutable: frozenset[str]  # the real buffers: the forward pass may write them
 
 
-def _inputs(setup: _Setup, state: TrainState, batch: Batch,
-            global_batch_size: Optional[int]) -> tuple[list[MicroBatch], int]:
+def _inputs(
+    setup: _Setup, state: TrainState, batch: Batch, global_batch_size: Optional[int]
+) -> tuple[list[MicroBatch], int]:
     """Check the batch and the state; return the micro-batches and the global batch size."""
     args, kwargs, targets, n = split_batch(batch)
     if set(state.params) != setup.trainable:
@@ -271,10 +300,15 @@ def _inputs(setup: _Setup, state: TrainState, batch: Batch,
     return micro_batches(args, kwargs, targets, n, setup.accumulate), global_n
 
 
-def _micro_grad(setup: _Setup, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                micro: MicroBatch, factor: float, device_type: str,
-                watch: Optional[Callable[[dict[str, torch.Tensor]], None]] = None,
-                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
+def _micro_grad(
+    setup: _Setup,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    micro: MicroBatch,
+    factor: float,
+    device_type: str,
+    watch: Optional[Callable[[dict[str, torch.Tensor]], None]] = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
     """``(gradients, stats row, classify)`` of one micro-batch's loss times ``factor``; ``params`` is not touched.
 
     ``watch`` sees the parameter leaves before the forward pass (overlap's hooks).
@@ -300,8 +334,14 @@ def _micro_grad(setup: _Setup, params: dict[str, torch.Tensor], buffers: dict[st
     return dict(zip(leaves, grads)), row, classify
 
 
-def _gradients(setup: _Setup, state: TrainState, buffers: dict[str, torch.Tensor], micros: list[MicroBatch],
-               global_n: int, scale: float) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
+def _gradients(
+    setup: _Setup,
+    state: TrainState,
+    buffers: dict[str, torch.Tensor],
+    micros: list[MicroBatch],
+    global_n: int,
+    scale: float,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
     """The micro-batch loop: this rank's gradients and statistics row, summed over its micro-batches.
 
     Runs the model in train mode with the step's own random streams.  With ``overlapped`` the last
@@ -320,8 +360,9 @@ def _gradients(setup: _Setup, state: TrainState, buffers: dict[str, torch.Tensor
             if setup.overlapped and i == len(micros) - 1:  # the last backward sums its buckets as it goes
                 # make_train_step let overlapped through only with a BucketSync.
                 with Buckets(state.params, cast(BucketSync, setup.grad_sync), grads, bool(setup.scaler)) as buckets:
-                    g, row, classify = _micro_grad(setup, state.params, buffers, micro, factor, device_type,
-                                                   buckets.watch)
+                    g, row, classify = _micro_grad(
+                        setup, state.params, buffers, micro, factor, device_type, buckets.watch
+                    )
                     return (*buckets.finish(g, row if stats is None else stats + row), classify)
             g, row, classify = _micro_grad(setup, state.params, buffers, micro, factor, device_type)
             if grads is None:
@@ -334,7 +375,9 @@ def _gradients(setup: _Setup, state: TrainState, buffers: dict[str, torch.Tensor
     return cast("dict[str, torch.Tensor]", grads), cast(torch.Tensor, stats), classify
 
 
-def _sync(setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _sync(
+    setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The cross-rank sum of the gradients and the statistics row, in one ``grad_sync`` (not overlapped).
 
     With fp16, the row first gets this rank's overflow flag (:attr:`StatsLayout.rank_overflows`): summed,
@@ -349,8 +392,9 @@ def _sync(setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor) ->
     return tree["grads"], tree["stats"]
 
 
-def _read(setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor, scale: float,
-          classify: bool) -> StepStats:
+def _read(
+    setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor, scale: float, classify: bool
+) -> StepStats:
     """The summed statistics read to the host: the step's one host read.
 
     With fp16 the summed gradients are unscaled in place first, as GradScaler does after DDP's allreduce,
@@ -362,8 +406,15 @@ def _read(setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor, sc
     return read_stats(stats.tolist(), setup.layout, classify)
 
 
-def _update(setup: _Setup, state: TrainState, buffers: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
-            read: StepStats, loss_scale: dict[str, torch.Tensor], scale: float) -> tuple[TrainState, Metrics]:
+def _update(
+    setup: _Setup,
+    state: TrainState,
+    buffers: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    read: StepStats,
+    loss_scale: dict[str, torch.Tensor],
+    scale: float,
+) -> tuple[TrainState, Metrics]:
     """The new state and the metrics: the optimizer's update, or a skipped step (fp16 overflow, a non-finite
     loss with ``on_nonfinite="skip"``); a non-finite loss with ``"raise"`` raises."""
     metrics = read.metrics

@@ -87,7 +87,9 @@ class TensorBoard(Callback):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is an optional extra
-            raise ImportError(f"TensorBoard needs the tensorboard package: pip install 'raympi[tensorboard]' ({exc})") from None
+            raise ImportError(
+                f"TensorBoard needs the tensorboard package: pip install 'raympi[tensorboard]' ({exc})"
+            ) from None
         self.writer = SummaryWriter(log_dir)
 
     def _write(self, record: dict[str, Any], prefix: str) -> None:

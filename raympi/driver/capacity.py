@@ -41,6 +41,9 @@ def spans_hosts(bundle: dict[str, float], placed: Sequence[str]) -> bool:
     and may land on another host than the original ranks, so the choice counts every live node
     that could host a worker, not only where the ranks are now.
     """
-    ips = {node.get("NodeManagerAddress") for node in ray.nodes()
-           if node.get("Alive") and (node["NodeID"] in placed or _room(node, bundle) >= 1)}
+    ips = {
+        node.get("NodeManagerAddress")
+        for node in ray.nodes()
+        if node.get("Alive") and (node["NodeID"] in placed or _room(node, bundle) >= 1)
+    }
     return len(ips) > 1

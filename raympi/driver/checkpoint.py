@@ -52,7 +52,9 @@ class CheckpointStore(AtomicFolders):
         ConfigError: ``root`` cannot be created or written (checked at once, before any worker starts).
     """
 
-    def __init__(self, root: str, keep: int = 3, fetch_timeout_s: float = 60.0, direct_bytes: int | None = None) -> None:
+    def __init__(
+        self, root: str, keep: int = 3, fetch_timeout_s: float = 60.0, direct_bytes: int | None = None
+    ) -> None:
         self.root = root.removeprefix("file://")
         self.keep = keep
         self.fetch_timeout_s = fetch_timeout_s  # rank 0 handing over its state (a stopped rank must not hang us)
@@ -61,7 +63,9 @@ class CheckpointStore(AtomicFolders):
         self.fs, self._path = fs_of(root)
         self._requested: dict[str, DirectRequest] = {}  # asked of rank 0, not yet handed to save_async
         self._seq, self._warned = 0, False
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority)
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority
+        )
         self._pending: list[concurrent.futures.Future] = []
         self._saved: queue.SimpleQueue = queue.SimpleQueue()
         self._lost: queue.SimpleQueue = queue.SimpleQueue()  # why a write failed, warned on the driver's thread
@@ -74,7 +78,9 @@ class CheckpointStore(AtomicFolders):
             self.fs.rm(probe)
             _IN_FLIGHT.discard(probe)
         except OSError as exc:
-            raise ConfigError(f"checkpoint_dir={root!r} is not writable ({exc.strerror or exc}): choose another checkpoint_dir") from None
+            raise ConfigError(
+                f"checkpoint_dir={root!r} is not writable ({exc.strerror or exc}): choose another checkpoint_dir"
+            ) from None
 
     def file(self, name: str) -> str:
         """Path of a file next to the checkpoints (metrics, plot)."""
@@ -140,8 +146,10 @@ class CheckpointStore(AtomicFolders):
         try:
             got = ray.get(ref, timeout=self.fetch_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerLostError(f"rank 0 did not hand over its state for step {manifest['step']} within "
-                                  f"{self.fetch_timeout_s:g} s (startup_timeout_s)") from None
+            raise WorkerLostError(
+                f"rank 0 did not hand over its state for step {manifest['step']} within "
+                f"{self.fetch_timeout_s:g} s (startup_timeout_s)"
+            ) from None
         if isinstance(got, Snapshot):
             got = got.arrays
         self.received_bytes += sum(getattr(a, "nbytes", 0) for a in pytree.leaves(got))
@@ -159,8 +167,15 @@ class CheckpointStore(AtomicFolders):
                     self._lost.put(not_shared(snapshot.note, self.root, snapshot.bytes))
                 return self._save_ref(self._fetch(request.ref, manifest), manifest)
             status = await_write(request, step, self.fetch_timeout_s)
-            manifest = {**manifest, "sha256": status["sha256"], "bytes": status["bytes"], "written_by": "rank 0",
-                        "blocked_s": snapshot.blocked_s, "copy_s": snapshot.copy_s, "write_s": status["write_s"]}
+            manifest = {
+                **manifest,
+                "sha256": status["sha256"],
+                "bytes": status["bytes"],
+                "written_by": "rank 0",
+                "blocked_s": snapshot.blocked_s,
+                "copy_s": snapshot.copy_s,
+                "write_s": status["write_s"],
+            }
             path = self._commit(manifest, tmp=request.tmp)
         except WorkerLostError as exc:  # that checkpoint is lost with rank 0; the previous one stays
             self._forget(request.tmp)
@@ -168,7 +183,11 @@ class CheckpointStore(AtomicFolders):
             return None
         except OSError as exc:
             self._forget(request.tmp)
-            why = str(exc) if "not written" in str(exc) else self._why_lost(f"step-{step:08d}", exc, manifest.get("bytes", 0))
+            why = (
+                str(exc)
+                if "not written" in str(exc)
+                else self._why_lost(f"step-{step:08d}", exc, manifest.get("bytes", 0))
+            )
             self._lost.put(f"{why}; training goes on")
             return None
         self._saved.put((path, step, StoredState(path, manifest["sha256"], manifest["bytes"])))
@@ -180,7 +199,9 @@ class CheckpointStore(AtomicFolders):
         try:
             return ray.get(request.ref, timeout=self.fetch_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerLostError(f"rank 0 did not answer the checkpoint request within {self.fetch_timeout_s:g} s (startup_timeout_s)") from None
+            raise WorkerLostError(
+                f"rank 0 did not answer the checkpoint request within {self.fetch_timeout_s:g} s (startup_timeout_s)"
+            ) from None
         except ray.exceptions.RayActorError as exc:
             raise WorkerLostError(f"rank 0 was lost ({type(exc).__name__})") from None
 
@@ -197,7 +218,10 @@ class CheckpointStore(AtomicFolders):
             if error is not None and strict:
                 raise error
             if error is not None:
-                warnings.warn(f"a checkpoint was lost with its worker ({type(error).__name__}); the previous one is used", stacklevel=2)
+                warnings.warn(
+                    f"a checkpoint was lost with its worker ({type(error).__name__}); the previous one is used",
+                    stacklevel=2,
+                )
 
     def _warn_lost(self) -> None:
         for message in _drain(self._lost):
@@ -234,7 +258,10 @@ class CheckpointStore(AtomicFolders):
                 return path, *_read(self.fs, path)
             except Exception as exc:  # any damage: say so, set it aside for inspection, fall back
                 aside = posixpath.join(self._path, "corrupt-" + name)
-                warnings.warn(f"{CORRUPT_WARNING}: {path} ({exc}); using the previous one, this one moved to {aside}", stacklevel=2)
+                warnings.warn(
+                    f"{CORRUPT_WARNING}: {path} ({exc}); using the previous one, this one moved to {aside}",
+                    stacklevel=2,
+                )
                 try:
                     self.fs.mv(path, aside, recursive=True)
                 except OSError:

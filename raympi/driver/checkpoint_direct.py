@@ -53,11 +53,18 @@ def await_write(request: DirectRequest, step: int, timeout_s: float) -> dict[str
     pause, last, since = 0.02, -1, time.monotonic()
     while True:
         try:
-            status = ray.get(request.actor.checkpoint_status.remote(request.url), timeout=max(0.1, timeout_s - (time.monotonic() - since)))
+            status = ray.get(
+                request.actor.checkpoint_status.remote(request.url),
+                timeout=max(0.1, timeout_s - (time.monotonic() - since)),
+            )
         except ray.exceptions.GetTimeoutError:
-            raise WorkerLostError(f"rank 0 did not answer about its checkpoint of step {step} within {timeout_s:g} s (startup_timeout_s)") from None
+            raise WorkerLostError(
+                f"rank 0 did not answer about its checkpoint of step {step} within {timeout_s:g} s (startup_timeout_s)"
+            ) from None
         except ray.exceptions.RayActorError as exc:
-            raise WorkerLostError(f"rank 0 was lost while writing the checkpoint of step {step} ({type(exc).__name__})") from None
+            raise WorkerLostError(
+                f"rank 0 was lost while writing the checkpoint of step {step} ({type(exc).__name__})"
+            ) from None
         if status["done"]:
             if status.get("storage"):
                 raise OSError(status.get("errno"), status["error"])
@@ -67,14 +74,18 @@ def await_write(request: DirectRequest, step: int, timeout_s: float) -> dict[str
         if status["written"] != last:
             last, since = status["written"], time.monotonic()
         elif time.monotonic() - since > timeout_s:
-            raise WorkerLostError(f"rank 0's write of the checkpoint of step {step} made no progress for {timeout_s:g} s (startup_timeout_s)")
+            raise WorkerLostError(
+                f"rank 0's write of the checkpoint of step {step} made no progress for {timeout_s:g} s (startup_timeout_s)"
+            )
         time.sleep(pause)
         pause = min(0.5, pause * 2)
 
 
 def not_shared(note: str, root: str, size: int) -> str:
     """The warning when rank 0 cannot see ``checkpoint_dir`` and the driver writes a large state itself."""
-    return (f"{note}: checkpoint_dir={root!r} is not storage that rank 0 shares with the driver, so the driver "
-            f"writes this {size / 1e9:.2f} GB state itself, through its memory. Use a folder every node mounts "
-            "(NFS) or an fsspec URL (s3://, gs://) so that rank 0 writes it, or direct_checkpoint_bytes=None "
-            "to have the driver write every checkpoint without this warning")
+    return (
+        f"{note}: checkpoint_dir={root!r} is not storage that rank 0 shares with the driver, so the driver "
+        f"writes this {size / 1e9:.2f} GB state itself, through its memory. Use a folder every node mounts "
+        "(NFS) or an fsspec URL (s3://, gs://) so that rank 0 writes it, or direct_checkpoint_bytes=None "
+        "to have the driver write every checkpoint without this warning"
+    )

@@ -74,7 +74,11 @@ class AtomicFolders:
         """A failed write's message: the folder, on a full disk the space, and the checkpoint a restart uses."""
         full = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno)
         free = f"{shutil.disk_usage(self._path).free / 1e6:.1f} MB free, " if full and _is_local(self.root) else ""
-        why = f"{full} on {self._path} ({free}{needed / 1e6:.1f} MB needed)" if full else f"{exc.strerror or exc} on {self._path}"
+        why = (
+            f"{full} on {self._path} ({free}{needed / 1e6:.1f} MB needed)"
+            if full
+            else f"{exc.strerror or exc} on {self._path}"
+        )
         return f"checkpoint {name} not written: {why}; {self._still()}"
 
     def _still(self) -> str:
@@ -94,7 +98,11 @@ class AtomicFolders:
         """Remove what writes killed midway left (their process is gone), or this process's failed ones."""
         for name in self._names(prefix="."):
             path = posixpath.join(self._path, name)
-            if (match := _LEFTOVER.fullmatch(name)) and path not in _IN_FLIGHT and not _alive(int(match[1] or match[2])):
+            if (
+                (match := _LEFTOVER.fullmatch(name))
+                and path not in _IN_FLIGHT
+                and not _alive(int(match[1] or match[2]))
+            ):
                 _remove(self.fs, path)
 
     def _write(self, path: str, data: bytes) -> None:

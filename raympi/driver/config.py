@@ -34,9 +34,14 @@ class MPIConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    netmod: Literal["auto", "ofi", "ucx"] = Field("auto", description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx when the cluster is one host, ofi when ranks may span hosts")
+    netmod: Literal["auto", "ofi", "ucx"] = Field(
+        "auto",
+        description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx when the cluster is one host, ofi when ranks may span hosts",
+    )
     provider: Optional[str] = Field("tcp", description="libfabric provider with netmod='ofi' (FI_PROVIDER)")
-    interface: Optional[str] = Field(None, description="network interface MPI should use, e.g. 'eth0' (FI_TCP_IFACE / UCX_NET_DEVICES)")
+    interface: Optional[str] = Field(
+        None, description="network interface MPI should use, e.g. 'eth0' (FI_TCP_IFACE / UCX_NET_DEVICES)"
+    )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the MPI library")
 
     def environment(self, multi_host: bool) -> dict[str, str]:
@@ -61,14 +66,24 @@ class FitConfig(BaseModel):
 
     workers: int = Field(1, ge=1, description="number of ranks (one Ray actor each)")
     epochs: int = Field(1, ge=1)
-    max_steps: Optional[int] = Field(None, ge=1, description="stop after this many steps in all (a run can be resumed later)")
+    max_steps: Optional[int] = Field(
+        None, ge=1, description="stop after this many steps in all (a run can be resumed later)"
+    )
     batch_size: int = Field(64, ge=1, description="global batch size, split across the workers")
     optimizer: Any = Field(None, description="a raympi.optim transform; default raympi.optim.adam(1e-3)")
-    loss_fn: Optional[Callable[..., Any]] = Field(None, description="loss_fn(outputs, targets) -> mean over samples; default cross-entropy")
-    columns: Optional[tuple[str, str]] = Field(None, description="(input, target) columns of a ray.data.Dataset; default its two columns")
+    loss_fn: Optional[Callable[..., Any]] = Field(
+        None, description="loss_fn(outputs, targets) -> mean over samples; default cross-entropy"
+    )
+    columns: Optional[tuple[str, str]] = Field(
+        None, description="(input, target) columns of a ray.data.Dataset; default its two columns"
+    )
     eval_dataset: Any = None
-    eval_every: int = Field(0, ge=0, description="steps between evaluations (0: at the end of each epoch when eval_dataset is given)")
-    eval_with_ema: bool = Field(False, description="evaluate the EMA of the parameters kept by raympi.optim.ema (when the optimizer has one)")
+    eval_every: int = Field(
+        0, ge=0, description="steps between evaluations (0: at the end of each epoch when eval_dataset is given)"
+    )
+    eval_with_ema: bool = Field(
+        False, description="evaluate the EMA of the parameters kept by raympi.optim.ema (when the optimizer has one)"
+    )
     seed: int = 0
     use_gpu: Optional[bool] = Field(None, description="one GPU per worker; default: when the cluster has GPUs")
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
@@ -76,28 +91,76 @@ class FitConfig(BaseModel):
     checkpoint_dir: Optional[str] = Field(None, description="local path or fsspec URI; default ./runs/raympi-<time>")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end)")
     keep_checkpoints: int = Field(3, ge=1)
-    direct_checkpoint_bytes: Optional[int] = Field(2**30, ge=0, description="a state of at least this many bytes is written by rank 0 straight to checkpoint_dir (copied, then written in the background), never through the driver; None: the driver writes every checkpoint. With workers on other nodes than the driver, checkpoint_dir must be shared storage or an fsspec URL")
+    direct_checkpoint_bytes: Optional[int] = Field(
+        2**30,
+        ge=0,
+        description="a state of at least this many bytes is written by rank 0 straight to checkpoint_dir (copied, then written in the background), never through the driver; None: the driver writes every checkpoint. With workers on other nodes than the driver, checkpoint_dir must be shared storage or an fsspec URL",
+    )
     resume: bool = False
     progress: Optional[bool] = Field(None, description="progress bar; default: when stderr is a terminal")
-    address: Optional[str] = Field(None, description="Ray cluster to join ('auto'); default RAY_ADDRESS or a new local instance")
-    min_workers: Optional[int] = Field(None, ge=1, description="fewest workers to continue with after a failure; default: workers")
-    spares: Optional[int] = Field(None, ge=0, description="hot spare workers kept ready outside the communicator; default 1 when the cluster has room beyond workers, else 0")
-    max_restarts: int = Field(3, ge=0, description="infrastructure failures (lost worker or node, hung rank) survived before giving up")
-    restart_timeout_s: float = Field(60.0, gt=0, description="how long a restart waits for capacity of at least min_workers")
+    address: Optional[str] = Field(
+        None, description="Ray cluster to join ('auto'); default RAY_ADDRESS or a new local instance"
+    )
+    min_workers: Optional[int] = Field(
+        None, ge=1, description="fewest workers to continue with after a failure; default: workers"
+    )
+    spares: Optional[int] = Field(
+        None,
+        ge=0,
+        description="hot spare workers kept ready outside the communicator; default 1 when the cluster has room beyond workers, else 0",
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="infrastructure failures (lost worker or node, hung rank) survived before giving up"
+    )
+    restart_timeout_s: float = Field(
+        60.0, gt=0, description="how long a restart waits for capacity of at least min_workers"
+    )
     startup_timeout_s: float = Field(120.0, gt=0, description="placing the workers, starting them and forming MPI")
-    step_timeout_s: float = Field(10.0, gt=0, description="the longest a rank may go without finishing a chunk of steps (about 0.5 s of work): a hung rank is noticed after this")
+    step_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the longest a rank may go without finishing a chunk of steps (about 0.5 s of work): a hung rank is noticed after this",
+    )
     bucket_bytes: int = Field(16 * 2**20, ge=1024, description="bytes per MPI_Allreduce bucket")
-    compression: Optional[Literal["bf16", "fp16"]] = Field(None, description="send float32 gradients as 16-bit floats (half the bytes; the optimizer stays float32); see the README's performance notes")
-    overlap: Optional[bool] = Field(None, description="sum gradient buckets over the ranks while backward still runs, as DDP does; default: on with GPUs, off on CPUs, where it did not pay (benchmarks/README.md); not with compression")
-    grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = Field("auto", description="how gradients are summed: 'mpi' (the communicator; GPU gradients staged through host memory), 'nccl' (a NCCL process group built from the MPI communicator; one GPU per worker), 'gloo' (the same path on CPU); 'auto': nccl for workers with a whole GPU each, mpi otherwise (faster than gloo on CPU, benchmarks/README.md)")
-    fp32_reduce: bool = Field(False, description="nccl/gloo: sum 16-bit gradients in float32 (twice the bytes); mpi always does")
-    loader_workers: Optional[int] = Field(None, ge=0, description="processes per worker reading a map-style Dataset ahead of the step (0: in the step's thread); default: the worker's CPUs minus one, at most 4")
+    compression: Optional[Literal["bf16", "fp16"]] = Field(
+        None,
+        description="send float32 gradients as 16-bit floats (half the bytes; the optimizer stays float32); see the README's performance notes",
+    )
+    overlap: Optional[bool] = Field(
+        None,
+        description="sum gradient buckets over the ranks while backward still runs, as DDP does; default: on with GPUs, off on CPUs, where it did not pay (benchmarks/README.md); not with compression",
+    )
+    grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = Field(
+        "auto",
+        description="how gradients are summed: 'mpi' (the communicator; GPU gradients staged through host memory), 'nccl' (a NCCL process group built from the MPI communicator; one GPU per worker), 'gloo' (the same path on CPU); 'auto': nccl for workers with a whole GPU each, mpi otherwise (faster than gloo on CPU, benchmarks/README.md)",
+    )
+    fp32_reduce: bool = Field(
+        False, description="nccl/gloo: sum 16-bit gradients in float32 (twice the bytes); mpi always does"
+    )
+    loader_workers: Optional[int] = Field(
+        None,
+        ge=0,
+        description="processes per worker reading a map-style Dataset ahead of the step (0: in the step's thread); default: the worker's CPUs minus one, at most 4",
+    )
     torch_threads: Optional[int] = Field(None, ge=1, description="torch threads per worker; default the worker's CPUs")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="mixed precision: forward and loss under autocast, float32 master weights; fp16 adds dynamic loss scaling")
-    accumulate: int = Field(1, ge=1, description="micro-batches per step on each rank (gradient accumulation): less memory, the same update")
-    metrics: dict[str, Callable[..., Any]] = Field(default_factory=dict, description="name -> fn(outputs, targets) -> mean over the samples, for training and evaluation")
-    on_nonfinite: Literal["raise", "skip"] = Field("raise", description="a NaN/inf loss: raise NonFiniteLossError, or skip that step's update")
-    callbacks: list[Any] = Field(default_factory=list, description="objects with on_step / on_eval / on_checkpoint / on_restart methods (raympi.callbacks)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="mixed precision: forward and loss under autocast, float32 master weights; fp16 adds dynamic loss scaling",
+    )
+    accumulate: int = Field(
+        1, ge=1, description="micro-batches per step on each rank (gradient accumulation): less memory, the same update"
+    )
+    metrics: dict[str, Callable[..., Any]] = Field(
+        default_factory=dict,
+        description="name -> fn(outputs, targets) -> mean over the samples, for training and evaluation",
+    )
+    on_nonfinite: Literal["raise", "skip"] = Field(
+        "raise", description="a NaN/inf loss: raise NonFiniteLossError, or skip that step's update"
+    )
+    callbacks: list[Any] = Field(
+        default_factory=list,
+        description="objects with on_step / on_eval / on_checkpoint / on_restart methods (raympi.callbacks)",
+    )
     mpi: MPIConfig = Field(default_factory=MPIConfig)
 
     @field_validator("optimizer")
@@ -107,7 +170,8 @@ class FitConfig(BaseModel):
             what = value.__name__ if isinstance(value, type) else repr(value)
             raise ValueError(
                 f"optimizer={what} is not a raympi optimizer: pass a raympi.optim transform such as "
-                "raympi.optim.adam(1e-3), or wrap a torch optimizer: raympi.optim.from_torch(torch.optim.Adam, lr=1e-3)")
+                "raympi.optim.adam(1e-3), or wrap a torch optimizer: raympi.optim.from_torch(torch.optim.Adam, lr=1e-3)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -117,18 +181,28 @@ class FitConfig(BaseModel):
         if self.min_workers > self.workers:
             raise ValueError(f"min_workers={self.min_workers} is larger than workers={self.workers}")
         if self.overlap and self.compression:
-            raise ValueError(f"overlap=True does not combine with compression={self.compression!r}: set overlap=False or compression=None")
+            raise ValueError(
+                f"overlap=True does not combine with compression={self.compression!r}: set overlap=False or compression=None"
+            )
         if self.compression and self.grad_transport in ("nccl", "gloo"):
-            raise ValueError(f"compression={self.compression!r} applies to the MPI transport only, not grad_transport="
-                             f"{self.grad_transport!r}: set compression=None or grad_transport='mpi'")
+            raise ValueError(
+                f"compression={self.compression!r} applies to the MPI transport only, not grad_transport="
+                f"{self.grad_transport!r}: set compression=None or grad_transport='mpi'"
+            )
         if self.grad_transport == "nccl" and self.use_gpu is False:
-            raise ValueError("grad_transport='nccl' needs GPU workers, but use_gpu=False: use grad_transport='gloo' or 'mpi' on CPUs")
+            raise ValueError(
+                "grad_transport='nccl' needs GPU workers, but use_gpu=False: use grad_transport='gloo' or 'mpi' on CPUs"
+            )
         if self.grad_transport == "nccl" and 0 < self.resources_per_worker.get("GPU", 1) < 1:
-            raise ValueError(f"grad_transport='nccl' needs a whole GPU per worker (NCCL refuses two ranks on one device), "
-                             f"but resources_per_worker gives each {self.resources_per_worker['GPU']:g}: "
-                             "use grad_transport='mpi' or 'gloo' for workers that share a GPU")
+            raise ValueError(
+                f"grad_transport='nccl' needs a whole GPU per worker (NCCL refuses two ranks on one device), "
+                f"but resources_per_worker gives each {self.resources_per_worker['GPU']:g}: "
+                "use grad_transport='mpi' or 'gloo' for workers that share a GPU"
+            )
         if self.batch_size < self.workers:
-            raise ValueError(f"batch_size={self.batch_size} is smaller than workers={self.workers}: every worker needs at least one sample per step")
+            raise ValueError(
+                f"batch_size={self.batch_size} is smaller than workers={self.workers}: every worker needs at least one sample per step"
+            )
         return self
 
 

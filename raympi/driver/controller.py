@@ -52,10 +52,19 @@ class Controller:
         capacity: how many workers of a bundle the cluster could host (:func:`cluster_capacity`).
     """
 
-    def __init__(self, cfg: Any, spec: WorkerSpec, pipeline: Pipeline, store: CheckpointStore, run: RunState,
-                 ray_dataset: Any = None, announce: Callable[[str], None] = lambda text: None,
-                 fingerprint: dict[str, Any] | None = None, new_group: Callable[..., Any] = WorkerGroup,
-                 capacity: Callable[[dict[str, float]], int] = cluster_capacity) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        spec: WorkerSpec,
+        pipeline: Pipeline,
+        store: CheckpointStore,
+        run: RunState,
+        ray_dataset: Any = None,
+        announce: Callable[[str], None] = lambda text: None,
+        fingerprint: dict[str, Any] | None = None,
+        new_group: Callable[..., Any] = WorkerGroup,
+        capacity: Callable[[dict[str, float]], int] = cluster_capacity,
+    ) -> None:
         self.cfg, self.spec, self.pipeline, self.store = cfg, spec, pipeline, store
         now = time.monotonic()
         self.run = dataclasses.replace(run, timers=Timers(progress=now, reformed=now))
@@ -128,8 +137,16 @@ class Controller:
         self.run = dataclasses.replace(self.run, timers=dataclasses.replace(self.run.timers, **changes))
 
     def _new_group(self, world: int, state: Any, place_timeout_s: float | None = None) -> WorkerGroup:
-        return self.make_group(self.cfg, world, self.spec, state, self.ray_dataset, place_timeout_s=place_timeout_s,
-                               announce=self.announce, spares=self._spares(world))
+        return self.make_group(
+            self.cfg,
+            world,
+            self.spec,
+            state,
+            self.ray_dataset,
+            place_timeout_s=place_timeout_s,
+            announce=self.announce,
+            spares=self._spares(world),
+        )
 
     def _spares(self, world: int) -> int:
         """Hot spares: as configured, else one when the cluster has room beyond the workers (none for Ray Data)."""
@@ -157,9 +174,15 @@ class Controller:
             followup = self._apply(decision, failure)
         finally:
             now = time.monotonic()
-            new = [dataclasses.replace(r, detect_s=detected - self.run.timers.progress, reform_s=now - detected,
-                                       spare=bool(self.group and self.group.spares_used > spares_used and r.path == "warm"))
-                   for r in self.run.restarts[restarts:]]
+            new = [
+                dataclasses.replace(
+                    r,
+                    detect_s=detected - self.run.timers.progress,
+                    reform_s=now - detected,
+                    spare=bool(self.group and self.group.spares_used > spares_used and r.path == "warm"),
+                )
+                for r in self.run.restarts[restarts:]
+            ]
             self.run = dataclasses.replace(self.run, restarts=(*self.run.restarts[:restarts], *new))
             self._time(reformed=now, recovering=detected if new else self.run.timers.recovering)
             self.metrics_log.rewind(self.run.step)  # a cold restart goes back: the redone steps are logged again
@@ -176,8 +199,11 @@ class Controller:
             try:
                 self.run = recovery.grow(self.group, failure, self.run, self.cfg)
             except recovery.INFRASTRUCTURE_ERRORS as error:  # a failed expansion is a failure like any other
-                return Failure(FailureKind.WORKER_LOST, f"taking in a replacement at step {self.run.step} failed: "
-                               f"{type(error).__name__}: {error}", phase=Phase.RECOVERING)
+                return Failure(
+                    FailureKind.WORKER_LOST,
+                    f"taking in a replacement at step {self.run.step} failed: {type(error).__name__}: {error}",
+                    phase=Phase.RECOVERING,
+                )
             return None
         world = failure.world_before or (self.group.world if self.group else 0)
         if isinstance(decision, Warm):
@@ -191,8 +217,9 @@ class Controller:
         self.store.wait(strict=False)  # the newest checkpoint's state is in memory once its write is done
         self._collect()
         try:
-            self.group, self.run = recovery.cold(self._new_group, self.capacity, self._bundle(), failure, self.run,
-                                                 self.cfg, world)
+            self.group, self.run = recovery.cold(
+                self._new_group, self.capacity, self._bundle(), failure, self.run, self.cfg, world
+            )
         except recovery.NoCapacity as none:
             return none.followup(failure)
         except Failed as failed:  # the user's code failed in the new group
@@ -215,20 +242,35 @@ class Controller:
         restarts, timers = run.restarts, run.timers
         if timers.recovering is not None and restarts:
             # failure noticed -> first step completed after it, and re-formed -> that step
-            restarts = (*restarts[:-1], dataclasses.replace(restarts[-1], recovery_s=now - timers.recovering,
-                                                            first_step_s=now - timers.reformed))
+            restarts = (
+                *restarts[:-1],
+                dataclasses.replace(
+                    restarts[-1], recovery_s=now - timers.recovering, first_step_s=now - timers.reformed
+                ),
+            )
         pace, slower = run.pace.observe(records[-1]["samples_per_s"])
-        self.run = dataclasses.replace(run, history=run.history.append(records), step=records[-1]["step"], restarts=restarts,
-                                       timers=dataclasses.replace(timers, progress=now, recovering=None), pace=pace)
+        self.run = dataclasses.replace(
+            run,
+            history=run.history.append(records),
+            step=records[-1]["step"],
+            restarts=restarts,
+            timers=dataclasses.replace(timers, progress=now, recovering=None),
+            pace=pace,
+        )
         self._collect()
         self.progress.update(chunk.last, records[-1], force=chunk.eval is not None or chunk.last == self.plan.total)
         if self.callbacks.steps(records) and chunk.last < self.plan.total:
-            return Failure(FailureKind.EARLY_STOP, f"stopped by a callback after step {chunk.last}", phase=Phase.DRAINING)
+            return Failure(
+                FailureKind.EARLY_STOP, f"stopped by a callback after step {chunk.last}", phase=Phase.DRAINING
+            )
         if self.group.pending_ready() and chunk.last < self.plan.total:
             return Failure(FailureKind.REPLACEMENT_READY, "replacement ready", phase=Phase.DRAINING)
         if slower and chunk.last < self.plan.total:
-            return Failure(FailureKind.DEGRADED, f"steps ran {slower:.0f}x slower after the warm restart than before it",
-                           phase=Phase.DRAINING)
+            return Failure(
+                FailureKind.DEGRADED,
+                f"steps ran {slower:.0f}x slower after the warm restart than before it",
+                phase=Phase.DRAINING,
+            )
         return None
 
     def draining(self, stop: Failure) -> None:
@@ -240,16 +282,25 @@ class Controller:
         epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
         # The cursor and the last record, not the history: that is metrics.jsonl's (appended just now).
         manifest = {
-            "step": step, "epoch": epoch, "cursor": {"epoch": epoch, "step_in_epoch": in_epoch},
-            "world_size": self.group.world, "metrics": self.run.history.last or {},
-            "config": _plain_config(self.cfg), "run": self.fingerprint, "restarts": [r.as_dict() for r in self.run.restarts],
+            "step": step,
+            "epoch": epoch,
+            "cursor": {"epoch": epoch, "step_in_epoch": in_epoch},
+            "world_size": self.group.world,
+            "metrics": self.run.history.last or {},
+            "config": _plain_config(self.cfg),
+            "run": self.fingerprint,
+            "restarts": [r.as_dict() for r in self.run.restarts],
             "saved_at": time.time(),
         }
         self.store.save_async(state_ref, manifest)
         self._write_reports()
         group = self.group
-        if (step < self.plan.total and group.world < self.cfg.workers and not group.pending
-                and self.capacity(self._bundle()) > group.world):
+        if (
+            step < self.plan.total
+            and group.world < self.cfg.workers
+            and not group.pending
+            and self.capacity(self._bundle()) > group.world
+        ):
             return Failure(FailureKind.CAPACITY_BACK, "capacity returned", phase=Phase.DRAINING)
         return None
 

@@ -26,8 +26,10 @@ from raympi.exceptions import ConfigError
 
 __all__ = ["Data", "Sampler", "columns_of", "epoch_order", "inspect", "rank_slices", "steps_per_epoch"]
 
-_FORMS = ("an (inputs, targets) tuple of tensors or arrays (inputs may be a tuple or dict of them), "
-          "a map-style torch Dataset of (input, target) items, or a ray.data.Dataset")
+_FORMS = (
+    "an (inputs, targets) tuple of tensors or arrays (inputs may be a tuple or dict of them), "
+    "a map-style torch Dataset of (input, target) items, or a ray.data.Dataset"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +87,19 @@ def inspect(dataset: Any, name: str = "dataset") -> Data:
     arrays = _arrays(dataset)
     if arrays is not None:
         inputs, targets = arrays
-        leaves = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, tuple) else [inputs]
+        leaves = (
+            list(inputs.values())
+            if isinstance(inputs, dict)
+            else list(inputs)
+            if isinstance(inputs, tuple)
+            else [inputs]
+        )
         lengths = {len(t) for t in [*leaves, targets]}
         if len(lengths) > 1:
-            raise ConfigError(f"{name}: its tensors disagree in length ({sorted(lengths)}): every input and the targets "
-                              "need one entry per sample")
+            raise ConfigError(
+                f"{name}: its tensors disagree in length ({sorted(lengths)}): every input and the targets "
+                "need one entry per sample"
+            )
         data = Data("arrays", arrays, len(targets))
     elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
         data = Data("dataset", dataset, len(dataset))
@@ -104,7 +114,9 @@ def steps_per_epoch(num_samples: int, batch_size: int) -> int:
     """Full global batches in one epoch; a :class:`ConfigError` when there is not even one."""
     steps = num_samples // batch_size
     if steps == 0:
-        raise ConfigError(f"the dataset has {num_samples} samples, fewer than batch_size={batch_size}: lower batch_size")
+        raise ConfigError(
+            f"the dataset has {num_samples} samples, fewer than batch_size={batch_size}: lower batch_size"
+        )
     return steps
 
 

@@ -111,7 +111,9 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
     if sample is not None:  # a Dataset is never read on the driver: its first step checks it
         _dry_run(model, loss_fn, optimizer, *sample, cfg)
     root = cfg.checkpoint_dir or os.path.join("runs", "raympi-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    store = CheckpointStore(root, cfg.keep_checkpoints, fetch_timeout_s=cfg.startup_timeout_s, direct_bytes=cfg.direct_checkpoint_bytes)
+    store = CheckpointStore(
+        root, cfg.keep_checkpoints, fetch_timeout_s=cfg.startup_timeout_s, direct_bytes=cfg.direct_checkpoint_bytes
+    )
     if not ray.is_initialized():
         announce("starting Ray" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "connecting to Ray")
     started_ray = _connect_ray(cfg) or started_ray
@@ -121,26 +123,47 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         announce("shipping the data to the object store")
         use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
         spec = WorkerSpec(
-            model=model, loss_fn=loss_fn, optimizer=optimizer,
-            train=data.ship(train) if train else None, train_kind=train.kind if train else "stream",
-            eval=data.ship(eval_data) if eval_data else None, eval_kind=eval_data.kind if eval_data else "arrays",
-            device="cuda" if use_gpu else "cpu", seed=cfg.seed, loader_workers=_loader_workers(cfg),
+            model=model,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train=data.ship(train) if train else None,
+            train_kind=train.kind if train else "stream",
+            eval=data.ship(eval_data) if eval_data else None,
+            eval_kind=eval_data.kind if eval_data else "arrays",
+            device="cuda" if use_gpu else "cpu",
+            seed=cfg.seed,
+            loader_workers=_loader_workers(cfg),
             step_options={**_step_options(cfg), "overlap": _overlaps(cfg, use_gpu)},
             torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
-            grad_transport=grad_transport(cfg, use_gpu), fp32_reduce=cfg.fp32_reduce,
+            grad_transport=grad_transport(cfg, use_gpu),
+            fp32_reduce=cfg.fp32_reduce,
             transport_timeout_s=cfg.startup_timeout_s,
         )
         spe = sampler.steps_per_epoch
-        plan = ChunkPlan(total=min(spe * cfg.epochs, cfg.max_steps or spe * cfg.epochs), steps_per_epoch=spe,
-                         checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every, has_eval=eval_data is not None)
-        fingerprint = {"batch_size": cfg.batch_size, "seed": cfg.seed, "num_samples": num_samples,
-                       "params": {name: list(p.shape) for name, p in model.named_parameters()},
-                       "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad),
-                       "optimizer_state": _optimizer_layout(optimizer, model)}
+        plan = ChunkPlan(
+            total=min(spe * cfg.epochs, cfg.max_steps or spe * cfg.epochs),
+            steps_per_epoch=spe,
+            checkpoint_every=cfg.checkpoint_every,
+            eval_every=cfg.eval_every,
+            has_eval=eval_data is not None,
+        )
+        fingerprint = {
+            "batch_size": cfg.batch_size,
+            "seed": cfg.seed,
+            "num_samples": num_samples,
+            "params": {name: list(p.shape) for name, p in model.named_parameters()},
+            "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad),
+            "optimizer_state": _optimizer_layout(optimizer, model),
+        }
         run = _resumed(store, fingerprint) if cfg.resume else RunState()
         run = dataclasses.replace(run, warm_possible=ray_dataset is None)
-        pipeline = Pipeline(plan, sampler, cfg, eval_data.length if eval_data else 0,
-                            snapshot=lambda group, step: store.request(group.actors[0], step))
+        pipeline = Pipeline(
+            plan,
+            sampler,
+            cfg,
+            eval_data.length if eval_data else 0,
+            snapshot=lambda group, step: store.request(group.actors[0], step),
+        )
         final = Controller(cfg, spec, pipeline, store, run, ray_dataset, announce, fingerprint).fit()
         # The driver's copy may be read-only object-store memory: hand the user tensors of their own.
         # A large state was written by rank 0 and never came here: it is read from storage now, once.
@@ -148,8 +171,14 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         kept = kept.load() if isinstance(kept, StoredState) else kept
         state = pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(kept))
         model.load_state_dict({**state.params, **state.buffers}, strict=False)
-        return Result(state=state, model=model, metrics=list(final.history), checkpoint=final.newest.path,
-                      restarts=[r.as_dict() for r in final.restarts], ema=optim.ema_params(state.opt_state))
+        return Result(
+            state=state,
+            model=model,
+            metrics=list(final.history),
+            checkpoint=final.newest.path,
+            restarts=[r.as_dict() for r in final.restarts],
+            ema=optim.ema_params(state.opt_state),
+        )
     finally:
         store.close()
         if started_ray:
@@ -158,7 +187,12 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
 
 def _step_options(cfg: FitConfig) -> dict[str, Any]:
     """The options of :func:`~raympi.core.step.make_train_step` that ``fit`` passes through."""
-    return {"on_nonfinite": cfg.on_nonfinite, "precision": cfg.precision, "accumulate": cfg.accumulate, "metrics": dict(cfg.metrics)}
+    return {
+        "on_nonfinite": cfg.on_nonfinite,
+        "precision": cfg.precision,
+        "accumulate": cfg.accumulate,
+        "metrics": dict(cfg.metrics),
+    }
 
 
 def _overlaps(cfg: FitConfig, use_gpu: bool) -> bool:
@@ -174,8 +208,10 @@ def grad_transport(cfg: FitConfig, use_gpu: bool) -> str:
         ConfigError: ``"nccl"`` for workers without a GPU.
     """
     if cfg.grad_transport == "nccl" and not use_gpu:
-        raise ConfigError("grad_transport='nccl' needs GPU workers, and the cluster has no GPU (or use_gpu is off): "
-                          "use grad_transport='gloo' or 'mpi' on CPUs")
+        raise ConfigError(
+            "grad_transport='nccl' needs GPU workers, and the cluster has no GPU (or use_gpu is off): "
+            "use grad_transport='gloo' or 'mpi' on CPUs"
+        )
     if cfg.grad_transport != "auto":
         return cfg.grad_transport
     return "nccl" if use_gpu and worker_bundle(cfg, True)["GPU"] >= 1 and cfg.compression is None else "mpi"
@@ -195,8 +231,10 @@ def _fit_local_cores(cfg: FitConfig, announce: Any) -> FitConfig:
     if cfg.use_gpu or cfg.workers * per <= cpus:
         return cfg
     share = cpus / cfg.workers
-    announce(f"warning: {cfg.workers} workers on {cpus:g} CPU(s): running them oversubscribed ({share:.2g} CPU each), "
-             "so each step is slower than on enough cores")
+    announce(
+        f"warning: {cfg.workers} workers on {cpus:g} CPU(s): running them oversubscribed ({share:.2g} CPU each), "
+        "so each step is slower than on enough cores"
+    )
     return cfg.model_copy(update={"resources_per_worker": {**cfg.resources_per_worker, "CPU": share}})
 
 
@@ -213,9 +251,11 @@ def _resumed(store: CheckpointStore, fingerprint: dict[str, Any]) -> RunState:
     path, manifest, state = found
     saved = manifest.get("run")
     if saved is not None and _differences(saved, fingerprint):
-        raise ConfigError(f"resume=True: the checkpoint {path} was made by a different run: "
-                          + "; ".join(_differences(saved, fingerprint))
-                          + ". Resume with the same values, or pass a new checkpoint_dir to start afresh")
+        raise ConfigError(
+            f"resume=True: the checkpoint {path} was made by a different run: "
+            + "; ".join(_differences(saved, fingerprint))
+            + ". Resume with the same values, or pass a new checkpoint_dir to start afresh"
+        )
     step = int(manifest["step"])
     if "history" in manifest:  # written before metrics.jsonl was appended (raympi <= 0.1's manifests)
         records = [r for r in manifest["history"] if r["step"] <= step]
@@ -225,18 +265,27 @@ def _resumed(store: CheckpointStore, fingerprint: dict[str, Any]) -> RunState:
 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    out = [f"{key} was {saved.get(key)}, now {now[key]}" for key in ("batch_size", "seed", "num_samples")
-           if saved.get(key) != now[key]]
+    out = [
+        f"{key} was {saved.get(key)}, now {now[key]}"
+        for key in ("batch_size", "seed", "num_samples")
+        if saved.get(key) != now[key]
+    ]
     before, after = saved.get("params", {}), now["params"]
     out += [f"parameter {n!r} is new" for n in after if n not in before]
     out += [f"parameter {n!r} is gone" for n in before if n not in after]
-    out += [f"parameter {n!r} was of shape {before[n]}, now {after[n]}" for n in after if n in before and before[n] != after[n]]
+    out += [
+        f"parameter {n!r} was of shape {before[n]}, now {after[n]}"
+        for n in after
+        if n in before and before[n] != after[n]
+    ]
     if saved.get("frozen", now["frozen"]) != now["frozen"]:  # (these two keys are absent from older checkpoints)
         out.append(f"the frozen parameters (requires_grad=False) were {saved['frozen']}, now {now['frozen']}")
     was, now_opt = saved.get("optimizer_state"), now["optimizer_state"]
     if None not in (was, now_opt) and was != now_opt:
-        out.append(f"the optimizer state was {json.dumps(was)}, now {json.dumps(now_opt)} (another optimizer, or one "
-                   "with other state; a new learning rate or schedule is fine, unless inject_hyperparams keeps it in the state)")
+        out.append(
+            f"the optimizer state was {json.dumps(was)}, now {json.dumps(now_opt)} (another optimizer, or one "
+            "with other state; a new learning rate or schedule is fine, unless inject_hyperparams keeps it in the state)"
+        )
     return out
 
 
@@ -250,7 +299,9 @@ def _optimizer_layout(optimizer: Any, model: torch.nn.Module) -> Any:
         return None
 
     def layout(x: Any) -> Any:
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a state NamedTuple: its fields, as older manifests have them
+        if isinstance(x, tuple) and hasattr(
+            x, "_fields"
+        ):  # a state NamedTuple: its fields, as older manifests have them
             x = dict(zip(x._fields, x))
         if isinstance(x, dict) and x and set(x) <= set(trainable):  # one entry per parameter: which ones, not each
             return "per parameter" if len(x) == len(trainable) else {"per parameter": sorted(x)}
@@ -259,6 +310,7 @@ def _optimizer_layout(optimizer: Any, model: torch.nn.Module) -> Any:
         if isinstance(x, (tuple, list)):
             return [layout(v) for v in x]
         return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
     return layout(state)
 
 

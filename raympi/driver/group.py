@@ -24,7 +24,11 @@ SUSPECT_PING_S = 1.5  # a suspected rank that does not answer a ping within this
 # glibc settings of CPU workers: freed gradient-sized blocks stay in the heap (else each step's fresh
 # gradients page-fault tens of MB back in: up to 28 ms a step on a 5.8M MLP), in one arena (the step's
 # Ray thread got one that glibc shrinks on free: benchmarks/malloc_arenas.py).
-CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_ARENA_MAX": "1"}
+CPU_MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
+    "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+    "MALLOC_ARENA_MAX": "1",
+}
 
 __all__ = ["WorkerGroup"]
 
@@ -48,9 +52,17 @@ class WorkerGroup:
         Failed: a worker died or failed while starting (a :class:`~raympi.driver.policy.Failure`).
     """
 
-    def __init__(self, cfg: FitConfig, world: int, spec: WorkerSpec, state: Any,
-                 ray_dataset: tuple[Any, tuple[str, str]] | None = None, place_timeout_s: float | None = None,
-                 announce: Callable[[str], None] = lambda text: None, spares: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: FitConfig,
+        world: int,
+        spec: WorkerSpec,
+        state: Any,
+        ray_dataset: tuple[Any, tuple[str, str]] | None = None,
+        place_timeout_s: float | None = None,
+        announce: Callable[[str], None] = lambda text: None,
+        spares: int = 0,
+    ) -> None:
         self.cfg = cfg
         self.world = world
         self.actors: list[Any] = []
@@ -77,18 +89,32 @@ class WorkerGroup:
             self._env, self._spec_ref = env, ray.put(spec)
             announce(f"starting {world} worker(s) (each imports torch and unpickles the model and data)")
             self.actors = [self._spawn(i, i) for i in range(world)]
-            self.gather([a.__ray_ready__.remote() for a in self.actors], deadline, "starting the workers", startup=True, first_call=True)
+            self.gather(
+                [a.__ray_ready__.remote() for a in self.actors],
+                deadline,
+                "starting the workers",
+                startup=True,
+                first_call=True,
+            )
             announce("joining MPI")
             started = time.monotonic()
-            members = comm.form(self.actors, timeout_s=max(1.0, deadline.remaining()), bucket_bytes=cfg.bucket_bytes,
-                                compression=cfg.compression)
+            members = comm.form(
+                self.actors,
+                timeout_s=max(1.0, deadline.remaining()),
+                bucket_bytes=cfg.bucket_bytes,
+                compression=cfg.compression,
+            )
             self.hosts = [host for _, _, host in members]
             self.form_s = time.monotonic() - started
             self.state_ref = state if state is None or isinstance(state, ray.ObjectRef) else ray.put(state)
             shards = ray_dataset[0].streaming_split(world, equal=True) if ray_dataset else [None] * world
             columns = ray_dataset[1] if ray_dataset else None
-            self.pids = self.gather([a.setup.remote(self.state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
-                                    deadline, "setting up the workers", startup=True)
+            self.pids = self.gather(
+                [a.setup.remote(self.state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
+                deadline,
+                "setting up the workers",
+                startup=True,
+            )
             for _ in range(spares):
                 self._start_spare(None)
         except BaseException:
@@ -98,13 +124,23 @@ class WorkerGroup:
     def _spawn(self, bundle_index: int | None, rank: int) -> Any:
         """A worker actor in bundle ``bundle_index`` of the placement group, or outside it (``None``: a spare)."""
         bundle = self.bundle
-        strategy = (PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index)
-                    if bundle_index is not None else "DEFAULT")
-        return ray.remote(concurrency_groups={"health": 1})(Worker).options(
-            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-            scheduling_strategy=strategy, runtime_env={"env_vars": self._env}, max_restarts=0,
-        ).remote(self._spec_ref, rank)
+        strategy = (
+            PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index)
+            if bundle_index is not None
+            else "DEFAULT"
+        )
+        return (
+            ray.remote(concurrency_groups={"health": 1})(Worker)
+            .options(
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": self._env},
+                max_restarts=0,
+            )
+            .remote(self._spec_ref, rank)
+        )
 
     def _start_spare(self, bundle_index: int | None) -> None:
         """A hot spare in a freed bundle of the group, or outside the group where the cluster has room now."""
@@ -165,13 +201,19 @@ class WorkerGroup:
                 break
             ray.wait([ref for _, _, ref in self.pending], num_returns=1, timeout=deadline.remaining())
         if len(keep) + len(ready) < self.cfg.min_workers:
-            raise CapacityError(f"only {len(keep) + len(ready)} worker(s) could be kept or started, fewer than min_workers={self.cfg.min_workers}")
+            raise CapacityError(
+                f"only {len(keep) + len(ready)} worker(s) could be kept or started, fewer than min_workers={self.cfg.min_workers}"
+            )
         self.actors = [self.actors[r] for r in keep] + [a for a, _, _ in ready]
         self.bundles = [self.bundles[r] for r in keep] + [b for _, b, _ in ready]
         self.world = len(self.actors)
         # Re-forming hangs now and then after a peer died mid-collective (MPICH over UCX, 1 in 10-30): a short deadline.
-        members = comm.form(self.actors, timeout_s=max(1.0, min(deadline.remaining(), max(REFORM_MIN_S, 4 * self.form_s))),
-                            bucket_bytes=self.cfg.bucket_bytes, compression=self.cfg.compression)
+        members = comm.form(
+            self.actors,
+            timeout_s=max(1.0, min(deadline.remaining(), max(REFORM_MIN_S, 4 * self.form_s))),
+            bucket_bytes=self.cfg.bucket_bytes,
+            compression=self.cfg.compression,
+        )
         self.hosts = [host for _, _, host in members]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
@@ -189,10 +231,15 @@ class WorkerGroup:
         can_host = cluster_capacity(bundle)
         if can_host < self.world:
             gpus = ray.cluster_resources().get("GPU", 0)
-            hint = (f"the cluster has {gpus:g} GPU(s): pass use_gpu=False (or leave use_gpu unset) to train on CPUs, "
-                    "or add GPU nodes" if bundle.get("GPU") and gpus < self.world * bundle["GPU"]
-                    else "lower workers or resources_per_worker, or add nodes")
-            raise CapacityError(f"the Ray cluster can host {can_host} worker(s) of {bundle}, not workers={self.world}: {hint}")
+            hint = (
+                f"the cluster has {gpus:g} GPU(s): pass use_gpu=False (or leave use_gpu unset) to train on CPUs, "
+                "or add GPU nodes"
+                if bundle.get("GPU") and gpus < self.world * bundle["GPU"]
+                else "lower workers or resources_per_worker, or add nodes"
+            )
+            raise CapacityError(
+                f"the Ray cluster can host {can_host} worker(s) of {bundle}, not workers={self.world}: {hint}"
+            )
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy=self.cfg.placement_strategy)
         if not self.pg.wait(max(0.1, deadline.remaining())):
             raise CapacityError(
@@ -201,8 +248,15 @@ class WorkerGroup:
                 "other jobs hold the rest); raise startup_timeout_s or free resources"
             )
 
-    def gather(self, refs: Sequence[Any], deadline: Deadline, what: str, startup: bool = False, first_call: bool = False,
-               suspect_s: float | None = None) -> list[Any]:
+    def gather(
+        self,
+        refs: Sequence[Any],
+        deadline: Deadline,
+        what: str,
+        startup: bool = False,
+        first_call: bool = False,
+        suspect_s: float | None = None,
+    ) -> list[Any]:
         """Results of one call per rank, failing fast on the first error and at ``deadline``.
 
         ``first_call``: the workers' first call, where dying on a live node means the spec did not unpickle.
@@ -227,8 +281,14 @@ class WorkerGroup:
                         raise Expired(deadline, expired.pending) from None
                     stuck = self.silent(list(range(self.world)), timeout_s=SUSPECT_PING_S)
                     if len(stuck) < self.world:  # some answered, these did not: hung, not merely slow
-                        raise Failed(self._failure(FailureKind.HUNG, f"{what}: rank(s) {stuck} stopped answering "
-                                                   f"(no reply to a ping within {SUSPECT_PING_S:g} s while the others replied)", stuck)) from None
+                        raise Failed(
+                            self._failure(
+                                FailureKind.HUNG,
+                                f"{what}: rank(s) {stuck} stopped answering "
+                                f"(no reply to a ping within {SUSPECT_PING_S:g} s while the others replied)",
+                                stuck,
+                            )
+                        ) from None
         except Expired as expired:
             stuck = self.silent(sorted(rank_of[r] for r in expired.pending))
             message = f"{what}: rank(s) {stuck} made no progress within {deadline.setting} (hung process, cut link, or too small a deadline)"
@@ -256,15 +316,20 @@ class WorkerGroup:
                 raise cause from None
             trace = _clean(getattr(exc, "traceback_str", "") or str(exc))
             kind = type(cause) if isinstance(cause, TrainingError) else TrainingError  # NonFiniteLossError stays itself
-            error = kind(f"{what}: {label} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}")
+            error = kind(
+                f"{what}: {label} raised {type(cause).__name__}: {cause}\n\nTraceback on rank {rank}:\n{trace}"
+            )
             raise Failed(self._failure(FailureKind.USER_ERROR, str(error).splitlines()[0], [rank], error)) from None
         except ray.exceptions.RayActorError as exc:
             created = getattr(exc, "error_msg", "") or ""
             if first_call and "creation task" in created and "Traceback" in created:  # __init__ raised: show it
                 trace = _clean(created)
-                hint = ("\nA module the model, loss, optimizer or dataset needs is not importable on the workers: make it "
-                        "importable on every node (ray.init(runtime_env={'working_dir': ...} or 'py_modules'))"
-                        if "No module named" in trace else "")
+                hint = (
+                    "\nA module the model, loss, optimizer or dataset needs is not importable on the workers: make it "
+                    "importable on every node (ray.init(runtime_env={'working_dir': ...} or 'py_modules'))"
+                    if "No module named" in trace
+                    else ""
+                )
                 raise TrainingError(f"{what}: {label} failed to start:\n{trace}{hint}") from None
             if first_call and self._node_alive(rank):
                 raise TrainingError(

@@ -89,8 +89,14 @@ class Hooks(Protocol):
 class Pipeline:
     """Runs chunks of steps on a group; returns ``None`` when done or the :class:`Failure` that stopped it."""
 
-    def __init__(self, plan: ChunkPlan, sampler: Sampler, cfg: Any, eval_size: int,
-                 snapshot: Callable[[Any, int], Any] | None = None) -> None:
+    def __init__(
+        self,
+        plan: ChunkPlan,
+        sampler: Sampler,
+        cfg: Any,
+        eval_size: int,
+        snapshot: Callable[[Any, int], Any] | None = None,
+    ) -> None:
         self.plan, self.sampler, self.cfg, self.eval_size = plan, sampler, cfg, eval_size
         # How rank 0's state after a step is asked for (queued behind that step's chunk): by default an
         # object ref of the state; the checkpoint store may ask rank 0 to write a large one itself.
@@ -153,22 +159,39 @@ class Pipeline:
                 return dataclasses.replace(failed.failure, chunks=(chunk, *inflight))
             aborted = [r for r, res in enumerate(results) if res["aborted"]]
             if aborted:
-                return Failure(FailureKind.COLLECTIVE, f"steps {chunk.first + 1}-{chunk.last}: a collective failed on rank(s) {aborted}")
+                return Failure(
+                    FailureKind.COLLECTIVE,
+                    f"steps {chunk.first + 1}-{chunk.last}: a collective failed on rank(s) {aborted}",
+                )
             now = time.monotonic()
             count, seconds, last_done = chunk.last - chunk.first, max(1e-9, now - last_done), now
             size = plan.next_size(next_step, count, seconds)
-            records = [{"step": chunk.first + k + 1, "epoch": (chunk.first + k) // plan.steps_per_epoch, **m,
-                        "samples_per_s": cfg.batch_size * count / seconds, "world_size": group.world, "time": time.time()}
-                       for k, m in enumerate(results[0]["metrics"])]
+            records = [
+                {
+                    "step": chunk.first + k + 1,
+                    "epoch": (chunk.first + k) // plan.steps_per_epoch,
+                    **m,
+                    "samples_per_s": cfg.batch_size * count / seconds,
+                    "world_size": group.world,
+                    "time": time.time(),
+                }
+                for k, m in enumerate(results[0]["metrics"])
+            ]
             if chunk.eval is not None:
                 try:
-                    records[-1].update(group.gather(chunk.eval, Deadline(cfg.step_timeout_s, "step_timeout_s"), "evaluation")[0])
+                    records[-1].update(
+                        group.gather(chunk.eval, Deadline(cfg.step_timeout_s, "step_timeout_s"), "evaluation")[0]
+                    )
                 except Failed as failed:
                     hooks.completed(chunk, records)  # the steps are done: the survivors' state is past them
                     return dataclasses.replace(failed.failure, chunks=tuple(inflight))
             preempted = [r for r, res in enumerate(results) if res["sigterm"]]
             if preempted:
-                stop = keep_first(Failure(FailureKind.PREEMPTED, f"SIGTERM to rank(s) {preempted} (preemption)", ranks=tuple(preempted)))
+                stop = keep_first(
+                    Failure(
+                        FailureKind.PREEMPTED, f"SIGTERM to rank(s) {preempted} (preemption)", ranks=tuple(preempted)
+                    )
+                )
             stop = keep_first(hooks.completed(chunk, records))
             if chunk.state is not None:
                 stop = keep_first(hooks.save(chunk.state, chunk.last))

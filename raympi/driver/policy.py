@@ -15,13 +15,31 @@ from typing import TYPE_CHECKING, Any, Union
 
 from raympi.driver.run_state import Phase, RunState
 from raympi.exceptions import (
-    CapacityError, FormationError, PreemptedError, RaympiError, RestartsExhaustedError, StepTimeoutError, WorkerLostError,
+    CapacityError,
+    FormationError,
+    PreemptedError,
+    RaympiError,
+    RestartsExhaustedError,
+    StepTimeoutError,
+    WorkerLostError,
 )
 
 if TYPE_CHECKING:
     from raympi.driver.config import FitConfig
 
-__all__ = ["Capacity", "Cold", "Decision", "Failed", "Failure", "FailureKind", "Finish", "Grow", "Raise", "Warm", "decide"]
+__all__ = [
+    "Capacity",
+    "Cold",
+    "Decision",
+    "Failed",
+    "Failure",
+    "FailureKind",
+    "Finish",
+    "Grow",
+    "Raise",
+    "Warm",
+    "decide",
+]
 
 
 class FailureKind(str, enum.Enum):
@@ -43,8 +61,13 @@ class FailureKind(str, enum.Enum):
     @property
     def planned(self) -> bool:
         """Stops that take a checkpoint of the step reached before anything else happens."""
-        return self in (FailureKind.PREEMPTED, FailureKind.DRIVER_SIGTERM, FailureKind.CAPACITY_BACK, FailureKind.EARLY_STOP,
-                        FailureKind.DEGRADED)
+        return self in (
+            FailureKind.PREEMPTED,
+            FailureKind.DRIVER_SIGTERM,
+            FailureKind.CAPACITY_BACK,
+            FailureKind.EARLY_STOP,
+            FailureKind.DEGRADED,
+        )
 
     @property
     def counted(self) -> bool:
@@ -90,8 +113,11 @@ class Failure:
         """The public exception that stands for this failure."""
         if isinstance(self.error, RaympiError):
             return self.error
-        kind = {FailureKind.HUNG: StepTimeoutError, FailureKind.FORMATION: FormationError,
-                FailureKind.NO_CAPACITY: CapacityError}.get(self.kind, WorkerLostError)
+        kind = {
+            FailureKind.HUNG: StepTimeoutError,
+            FailureKind.FORMATION: FormationError,
+            FailureKind.NO_CAPACITY: CapacityError,
+        }.get(self.kind, WorkerLostError)
         return kind(self.cause)
 
 
@@ -174,8 +200,12 @@ def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capac
     if kind is FailureKind.DRIVER_SIGTERM:
         if run.newest is None:
             return Raise(PreemptedError(f"{failure.cause} before any checkpoint was written: nothing to resume from"))
-        return Raise(PreemptedError(f"{failure.cause} after step {run.newest.step}; checkpoint written to "
-                                    f"{run.newest.path}: fit(..., resume=True) continues from it"))
+        return Raise(
+            PreemptedError(
+                f"{failure.cause} after step {run.newest.step}; checkpoint written to "
+                f"{run.newest.path}: fit(..., resume=True) continues from it"
+            )
+        )
     if kind is FailureKind.REPLACEMENT_READY:
         return Grow()
     if kind is FailureKind.EARLY_STOP:
@@ -183,15 +213,23 @@ def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capac
     failed = tuple(sorted(set(failure.ranks)))
     survivors = tuple(r for r in range(capacity.world) if r not in failed)
     room = max(0, capacity.cluster - len(survivors))  # where replacements could start
-    warm = (run.warm_possible and bool(failed) and bool(survivors) and kind is not FailureKind.FORMATION
-            and len(survivors) + min(room, len(failed)) >= config.min_workers)
+    warm = (
+        run.warm_possible
+        and bool(failed)
+        and bool(survivors)
+        and kind is not FailureKind.FORMATION
+        and len(survivors) + min(room, len(failed)) >= config.min_workers
+    )
     if kind is FailureKind.PREEMPTED and warm:  # the preempted rank is replaced, its peers keep their state
         return Warm(survivors=survivors, failed=failed)
     if kind.planned:  # PREEMPTED without survivors, CAPACITY_BACK, DEGRADED (DRIVER_SIGTERM was handled above)
         return Cold(planned=True)
     if run.failures >= config.max_restarts:
         newest = run.newest.path if run.newest else None
-        return Raise(RestartsExhaustedError(
-            f"training failed {run.failures + 1} times, more than max_restarts={config.max_restarts}; last failure: "
-            f"{failure.cause}. The newest checkpoint is {newest}: fit(..., resume=True) continues from it"))
+        return Raise(
+            RestartsExhaustedError(
+                f"training failed {run.failures + 1} times, more than max_restarts={config.max_restarts}; last failure: "
+                f"{failure.cause}. The newest checkpoint is {newest}: fit(..., resume=True) continues from it"
+            )
+        )
     return Warm(survivors=survivors, failed=failed) if warm else Cold()

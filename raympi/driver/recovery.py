@@ -38,8 +38,9 @@ class WarmSkipped(Exception):
 
     def followup(self, failure: Failure, world: int) -> Failure:
         """The failure to decide on again: the same one, marked as a warm restart given up (by a group of ``world``)."""
-        return dataclasses.replace(failure, warm_skipped=str(self), resume=self.resume, phase=Phase.RECOVERING,
-                                   world_before=world)
+        return dataclasses.replace(
+            failure, warm_skipped=str(self), resume=self.resume, phase=Phase.RECOVERING, world_before=world
+        )
 
 
 class NoCapacity(Exception):
@@ -47,8 +48,14 @@ class NoCapacity(Exception):
 
     def followup(self, failure: Failure) -> Failure:
         """The failure to decide on again (the policy stops the run with a :class:`CapacityError`)."""
-        return Failure(FailureKind.NO_CAPACITY, str(self), ranks=failure.ranks, nodes=failure.nodes, phase=Phase.RECOVERING,
-                       world_before=failure.world_before)
+        return Failure(
+            FailureKind.NO_CAPACITY,
+            str(self),
+            ranks=failure.ranks,
+            nodes=failure.nodes,
+            phase=Phase.RECOVERING,
+            world_before=failure.world_before,
+        )
 
 
 # What re-forming a group or starting one may raise when the cluster, not our code, is at fault.
@@ -57,9 +64,17 @@ INFRASTRUCTURE_ERRORS = (CapacityError, FormationError, Failed, Expired, ray.exc
 
 def record_of(failure: Failure, run: RunState, world: int) -> RestartRecord:
     """A restart record's first fields: what failed, when, and in which phase."""
-    return RestartRecord(time=time.time(), step=run.step, ranks=tuple(failure.ranks), nodes=tuple(failure.nodes),
-                         cause=failure.cause, kind=failure.kind.value, phase=failure.phase.value, world_before=world,
-                         warm_skipped=failure.warm_skipped)
+    return RestartRecord(
+        time=time.time(),
+        step=run.step,
+        ranks=tuple(failure.ranks),
+        nodes=tuple(failure.nodes),
+        cause=failure.cause,
+        kind=failure.kind.value,
+        phase=failure.phase.value,
+        world_before=world,
+        warm_skipped=failure.warm_skipped,
+    )
 
 
 def _append(run: RunState, record: RestartRecord, failure: Failure | None, **changes: Any) -> RunState:
@@ -67,7 +82,9 @@ def _append(run: RunState, record: RestartRecord, failure: Failure | None, **cha
     return dataclasses.replace(run, restarts=(*run.restarts, record), failures=run.failures + counted, **changes)
 
 
-def warm(group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cfg: Any, steps_per_epoch: int) -> RunState:
+def warm(
+    group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cfg: Any, steps_per_epoch: int
+) -> RunState:
     """Survivors abandon the step in flight and keep their state; replacements join by broadcast.
 
     Only the step in flight is lost.  Raises :class:`WarmSkipped` when a survivor does not stop in
@@ -106,8 +123,17 @@ def warm(group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cf
     print(f"raympi: {failure.cause}; warm restart of {len(survivors)} survivor(s) at step {step}", file=sys.stderr)
     # Steps the survivors finished but the driver had not seen yet: their metrics as the survivors
     # reported them, marked as reconstructed (their time is when the driver learnt of them).
-    seen = [{"step": s, "epoch": (s - 1) // steps_per_epoch, **reported.get(s, {}), "world_size": world_before,
-             "time": time.time(), "reconstructed": True} for s in range(run.step + 1, step + 1)]
+    seen = [
+        {
+            "step": s,
+            "epoch": (s - 1) // steps_per_epoch,
+            **reported.get(s, {}),
+            "world_size": world_before,
+            "time": time.time(),
+            "reconstructed": True,
+        }
+        for s in range(run.step + 1, step + 1)
+    ]
     history = run.until(step).append(seen)
     # Taken from the root's health thread while it re-forms; used only if re-forming fails.
     snapshot = group.actors[root].snapshot.remote()
@@ -115,15 +141,25 @@ def warm(group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cf
         group.reform(survivors, root, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
     except INFRASTRUCTURE_ERRORS as error:  # a cold restart follows, from the survivors' state if it was saved
         saved = ray.wait([snapshot], timeout=Deadline(cfg.step_timeout_s).remaining())[0]
-        raise WarmSkipped(f"re-forming failed: {type(error).__name__}: {error}",
-                          resume=(step, snapshot, history) if saved and succeeded(snapshot) else None) from None
-    record = dataclasses.replace(record, path="warm", world_after=group.world, steps_lost=max(0, record.step - step),
-                                 restored_step=step)
+        raise WarmSkipped(
+            f"re-forming failed: {type(error).__name__}: {error}",
+            resume=(step, snapshot, history) if saved and succeeded(snapshot) else None,
+        ) from None
+    record = dataclasses.replace(
+        record, path="warm", world_after=group.world, steps_lost=max(0, record.step - step), restored_step=step
+    )
     return _append(run, record, failure, history=history, step=step, start_step=step)
 
 
-def cold(start_group: Callable[..., WorkerGroup], capacity: Callable[[dict[str, float]], int], bundle: dict[str, float],
-         failure: Failure, run: RunState, cfg: Any, world_before: int) -> tuple[WorkerGroup, RunState]:
+def cold(
+    start_group: Callable[..., WorkerGroup],
+    capacity: Callable[[dict[str, float]], int],
+    bundle: dict[str, float],
+    failure: Failure,
+    run: RunState,
+    cfg: Any,
+    world_before: int,
+) -> tuple[WorkerGroup, RunState]:
     """A new group of as many workers as the cluster can host (``min_workers`` to ``workers``,
     waiting up to ``restart_timeout_s``), restored from the survivors' state when a warm restart
     given up saved it (``failure.resume``), else from the newest checkpoint in driver memory.
@@ -149,8 +185,9 @@ def cold(start_group: Callable[..., WorkerGroup], capacity: Callable[[dict[str, 
         if world >= cfg.min_workers:
             try:
                 group = start_group(world, state, min(5.0, max(1.0, remaining)))
-                record = dataclasses.replace(record, world_after=group.world, steps_lost=max(0, record.step - step),
-                                             restored_step=step)
+                record = dataclasses.replace(
+                    record, world_after=group.world, steps_lost=max(0, record.step - step), restored_step=step
+                )
                 return group, _append(run, record, failure, history=history, step=step, start_step=step)
             except (CapacityError, FormationError, Failed) as error:  # a node went away meanwhile: count again
                 if isinstance(error, Failed) and error.failure.kind is FailureKind.USER_ERROR:
@@ -159,16 +196,22 @@ def cold(start_group: Callable[..., WorkerGroup], capacity: Callable[[dict[str, 
                 # Ray may still count a cut-off node as alive: ask for one worker fewer next time
                 # (a later checkpoint grows the group back once the capacity is real).
                 cap = max(cfg.min_workers, world - 1)
-    why = (f"the cluster can host {world} worker(s) of {bundle}, fewer than min_workers={cfg.min_workers}"
-           if world < cfg.min_workers else f"re-forming {world} worker(s) kept failing (last: {last_error})")
+    why = (
+        f"the cluster can host {world} worker(s) of {bundle}, fewer than min_workers={cfg.min_workers}"
+        if world < cfg.min_workers
+        else f"re-forming {world} worker(s) kept failing (last: {last_error})"
+    )
     newest = run.newest.path if run.newest else None
-    raise NoCapacity(f"after the failure {why}, and no way forward was found within {deadline.setting}. "
-                     f"The newest checkpoint is {newest}: fit(..., resume=True) continues from it")
+    raise NoCapacity(
+        f"after the failure {why}, and no way forward was found within {deadline.setting}. "
+        f"The newest checkpoint is {newest}: fit(..., resume=True) continues from it"
+    )
 
 
 def grow(group: WorkerGroup, failure: Failure, run: RunState, cfg: Any) -> RunState:
     """Take the replacements that are ready into the group (warm: rank 0's state by broadcast)."""
-    record = dataclasses.replace(record_of(failure, run, group.world), path="warm", restored_step=run.step, steps_lost=0)
+    record = dataclasses.replace(
+        record_of(failure, run, group.world), path="warm", restored_step=run.step, steps_lost=0
+    )
     group.reform(list(range(group.world)), 0, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
     return _append(run, dataclasses.replace(record, world_after=group.world), failure)
-

@@ -30,7 +30,9 @@ class Announcer:
 class Progress:
     """A live progress bar on a terminal, plain log lines every ``every_s`` seconds otherwise."""
 
-    def __init__(self, total_steps: int, enabled: bool | None, stream: TextIO | None = None, every_s: float = 5.0) -> None:
+    def __init__(
+        self, total_steps: int, enabled: bool | None, stream: TextIO | None = None, every_s: float = 5.0
+    ) -> None:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if enabled is None else enabled and self.stream.isatty()
         self.quiet = enabled is False
@@ -52,8 +54,10 @@ class Progress:
         eta = (self.total - step) / steps_per_s if steps_per_s > 0 and step else float("nan")
         acc = f" acc {record['accuracy']:.3f}" if "accuracy" in record else ""
         ev = f" eval_acc {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
-        text = (f"step {step}/{self.total} epoch {record.get('epoch', 0) + 1} loss {record.get('loss', float('nan')):.4f}"
-                f"{acc}{ev} {rate:,.0f} samples/s ETA {_clock(eta)}")
+        text = (
+            f"step {step}/{self.total} epoch {record.get('epoch', 0) + 1} loss {record.get('loss', float('nan')):.4f}"
+            f"{acc}{ev} {rate:,.0f} samples/s ETA {_clock(eta)}"
+        )
         if self.tty:
             bar = "#" * int(20 * done)
             self.stream.write(f"\r[{bar:<20}] {text}\x1b[K")
@@ -82,8 +86,12 @@ def write_plot(history: list[dict[str, Any]], path: str, fs: Any) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, ax, label in (("loss", ax_loss, "train loss"), ("eval_loss", ax_loss, "eval loss"),
-                           ("accuracy", ax_acc, "train accuracy"), ("eval_accuracy", ax_acc, "eval accuracy")):
+    for key, ax, label in (
+        ("loss", ax_loss, "train loss"),
+        ("eval_loss", ax_loss, "eval loss"),
+        ("accuracy", ax_acc, "train accuracy"),
+        ("eval_accuracy", ax_acc, "eval accuracy"),
+    ):
         points = [(r["step"], r[key]) for r in history if key in r]
         if points:
             ax.plot(*zip(*points), label=label, marker="o" if key.startswith("eval") else None)

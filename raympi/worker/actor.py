@@ -108,7 +108,9 @@ class Worker(comm.Member):
         self.grad_sync: Any = None  # the step's cross-rank sum, rebuilt for every new communicator
         # Before MPI starts: a Dataset's loader forks its reading processes here.
         self.source: Any = _source(spec.train, spec.train_kind, spec) if spec.train_kind != "stream" else None
-        self.eval_source: Any = _source(spec.eval, spec.eval_kind, spec, loader_workers=0) if spec.eval is not None else None
+        self.eval_source: Any = (
+            _source(spec.eval, spec.eval_kind, spec, loader_workers=0) if spec.eval is not None else None
+        )
         self.state: TrainState | None = None
         self.writer = DirectWriter()  # large checkpoints, written from here in the background
         # A spot reclaim sends SIGTERM: note it, finish the chunk, and let the driver take a checkpoint
@@ -120,7 +122,9 @@ class Worker(comm.Member):
     def __repr__(self) -> str:  # Ray tags this actor's printed lines with it
         return f"rank {getattr(self, 'rank', '?')} on {getattr(self, 'host', '?')}"
 
-    def setup(self, state: dict[str, Any] | None, seed: int, shard: Any = None, columns: tuple[str, str] | None = None) -> int:
+    def setup(
+        self, state: dict[str, Any] | None, seed: int, shard: Any = None, columns: tuple[str, str] | None = None
+    ) -> int:
         """Build the step functions over the communicator; start from ``state`` or from the model.
 
         ``shard``: this rank's stream of a ``ray.data.Dataset`` (``streaming_split``).
@@ -129,10 +133,18 @@ class Worker(comm.Member):
             self.source = StreamSource(shard, columns)
         assert self.comm is not None and self.comm.rank == self.rank, "form the communicator first"
         self._build_steps()
-        scaling = LossScaling() if self.step_options.get("precision") == "fp16" else None  # fp16: the scaler lives in the state
-        state_tree = (TrainState.create(self.model, self.optimizer, seed=seed, loss_scaling=scaling) if state is None
-                      else TrainState.from_dict(state.load() if isinstance(state, StoredState)  # a large checkpoint on storage
-                                                else pytree.from_arrays(state)))  # a checkpoint, or a survivor's snapshot
+        scaling = (
+            LossScaling() if self.step_options.get("precision") == "fp16" else None
+        )  # fp16: the scaler lives in the state
+        state_tree = (
+            TrainState.create(self.model, self.optimizer, seed=seed, loss_scaling=scaling)
+            if state is None
+            else TrainState.from_dict(
+                state.load()
+                if isinstance(state, StoredState)  # a large checkpoint on storage
+                else pytree.from_arrays(state)
+            )
+        )  # a checkpoint, or a survivor's snapshot
         self._own(state_tree)
         return os.getpid()
 
@@ -155,8 +167,16 @@ class Worker(comm.Member):
         if self.grad_sync is not None and hasattr(self.grad_sync, "close"):
             self.grad_sync.close()  # the previous communicator's reduction thread or process group
         self.grad_sync = self._grad_sync(overlap)
-        self.train_step = make_train_step(self.model, self.loss_fn, self.optimizer, grad_sync=self.grad_sync,
-                                          rank=self.rank, donate=True, overlap=overlap, **options)
+        self.train_step = make_train_step(
+            self.model,
+            self.loss_fn,
+            self.optimizer,
+            grad_sync=self.grad_sync,
+            rank=self.rank,
+            donate=True,
+            overlap=overlap,
+            **options,
+        )
         fns = {"loss": self.loss_fn, "accuracy": accuracy, **(self.step_options.get("metrics") or {})}
         self.eval_step = make_eval_step(self.model, fns)
         self.eval_step_names = [*fns, "samples"]
@@ -169,7 +189,9 @@ class Worker(comm.Member):
             return None
         if transport == "mpi":
             return BucketAllreduce(self.comm) if overlap else self.comm.allreduce_
-        return process_group.connect(self.comm, transport, ray.util.get_node_ip_address(), timeout_s, fp32_reduce=fp32_reduce)
+        return process_group.connect(
+            self.comm, transport, ray.util.get_node_ip_address(), timeout_s, fp32_reduce=fp32_reduce
+        )
 
     def _own(self, state: TrainState) -> None:
         # Steps donate the state's memory (update in place), so the state must be this actor's own:
@@ -180,7 +202,9 @@ class Worker(comm.Member):
     def _to_device(self, batch: Any) -> Any:
         if self.device.type == "cpu":
             return batch
-        return pytree.map(lambda t: t.pin_memory().to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+        return pytree.map(
+            lambda t: t.pin_memory().to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch
+        )
 
     def run(self, steps: list[tuple[int, Any]], global_batch_size: int) -> dict[str, Any]:
         """Take one step per entry of ``steps``: ``(epoch, this rank's sample indices)``.
@@ -217,7 +241,9 @@ class Worker(comm.Member):
                 for k, v in self.eval_step(state, self._to_device(self.eval_source.read(chunk))).items():
                     totals[k] = totals.get(k, 0.0) + v
         names = sorted(self.eval_step_names)  # every rank sends the same sums in the same order, even with no samples
-        summed = self.comm.allreduce_([torch.tensor([totals.get(k, 0.0) for k in names], dtype=torch.float64)])[0].tolist()
+        summed = self.comm.allreduce_([torch.tensor([totals.get(k, 0.0) for k in names], dtype=torch.float64)])[
+            0
+        ].tolist()
         if self.rank != 0:
             return None
         sums = dict(zip(names, summed))

@@ -26,7 +26,17 @@ import torch
 from raympi.core import pytree
 from raympi.exceptions import ConfigError
 
-__all__ = ["DirectWriter", "Snapshot", "StoredState", "fs_of", "fsync_dir", "is_local", "read_checkpoint", "verify", "write_state"]
+__all__ = [
+    "DirectWriter",
+    "Snapshot",
+    "StoredState",
+    "fs_of",
+    "fsync_dir",
+    "is_local",
+    "read_checkpoint",
+    "verify",
+    "write_state",
+]
 
 _CHUNK = 8 * 2**20
 
@@ -153,8 +163,10 @@ class StoredState:
         except FileNotFoundError:
             import socket
 
-            raise ConfigError(f"the checkpoint {self.url} cannot be read on {socket.gethostname()}: a local "
-                              "checkpoint_dir must be storage every node mounts (NFS), or use an fsspec URL") from None
+            raise ConfigError(
+                f"the checkpoint {self.url} cannot be read on {socket.gethostname()}: a local "
+                "checkpoint_dir must be storage every node mounts (NFS), or use an fsspec URL"
+            ) from None
 
 
 @dataclasses.dataclass
@@ -189,6 +201,7 @@ def _fits(buffer: Any, t: Any) -> bool:
         return not isinstance(buffer, torch.Tensor)
     return isinstance(buffer, torch.Tensor) and buffer.shape == t.shape and buffer.dtype == t.dtype
 
+
 def _protocols(fs: Any) -> set[str]:
     return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
 
@@ -222,8 +235,9 @@ class DirectWriter:
         done = time.perf_counter()
         status: dict[str, Any] = {"done": False, "error": None, "written": 0, "started": time.time()}
         self._status = dict(list(self._status.items())[-15:]) | {folder: status}  # the driver may ask about older ones
-        self._thread = threading.Thread(target=self._write, args=(copy, fs, path, status), daemon=True,
-                                        name="raympi-direct-checkpoint")
+        self._thread = threading.Thread(
+            target=self._write, args=(copy, fs, path, status), daemon=True, name="raympi-direct-checkpoint"
+        )
         self._thread.start()
         return Snapshot(folder=folder, bytes=size, copy_s=done - copied, blocked_s=done - start)
 

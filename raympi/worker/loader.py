@@ -64,14 +64,18 @@ def read_batch(dataset: Any, seed: int, epoch: int, indices: Sequence[int]) -> A
         try:
             items.append(dataset[int(i)])
         except Exception as exc:
-            raise TrainingError(f"reading sample {int(i)} (epoch {epoch}) raised {type(exc).__name__}: {exc}\n\n"
-                                f"Traceback of the read:\n{traceback.format_exc()}") from None
+            raise TrainingError(
+                f"reading sample {int(i)} (epoch {epoch}) raised {type(exc).__name__}: {exc}\n\n"
+                f"Traceback of the read:\n{traceback.format_exc()}"
+            ) from None
     try:
         return default_collate(items)
     except Exception as exc:
         first, other = _first_mismatch(items, indices)
-        raise TrainingError(f"samples of a batch do not fit together ({type(exc).__name__}: {exc}): "
-                            f"sample {first[0]} is {first[1]}, sample {other[0]} is {other[1]}") from None
+        raise TrainingError(
+            f"samples of a batch do not fit together ({type(exc).__name__}: {exc}): "
+            f"sample {first[0]} is {first[1]}, sample {other[0]} is {other[1]}"
+        ) from None
 
 
 def _describe(item: Any) -> str:
@@ -128,7 +132,8 @@ class Loader:
         if workers > 0:
             _DATASET = dataset  # the forked processes inherit it: no pickling, shared copy-on-write
             self.pool = concurrent.futures.ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_process, initargs=(1,))
+                workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_process, initargs=(1,)
+            )
             concurrent.futures.wait([self.pool.submit(_noop) for _ in range(workers)])  # fork now, before MPI starts
 
     def feed(self, batches: Sequence[tuple[int, Sequence[int]]]) -> None:

@@ -25,7 +25,9 @@ def arrays_from_refs(refs: Any) -> Any:
     """A tree of tensors from a tree of object refs of arrays (zero-copy, read-only: only gathered from)."""
     leaves, spec = pytree.flatten(refs)
     values = ray.get(leaves)
-    return pytree.unflatten([v if isinstance(v, torch.Tensor) else pytree.from_arrays(np.asarray(v)) for v in values], spec)
+    return pytree.unflatten(
+        [v if isinstance(v, torch.Tensor) else pytree.from_arrays(np.asarray(v)) for v in values], spec
+    )
 
 
 class ArraySource:
@@ -41,7 +43,9 @@ class ArraySource:
     def next(self) -> Any:
         return self.read(self.queue.popleft())
 
-    def read(self, index: Any, epoch: int = -1) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
+    def read(
+        self, index: Any, epoch: int = -1
+    ) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
         return pytree.map(lambda t: t[index], self.data)
 
     def drop(self) -> None:
@@ -64,7 +68,9 @@ class DatasetSource:
     def next(self) -> Any:
         return self.loader.next()
 
-    def read(self, index: Any, epoch: int = -1) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
+    def read(
+        self, index: Any, epoch: int = -1
+    ) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
         """Read in this thread (evaluation: no augmentation is expected, but it is seeded all the same)."""
         return read_batch(self.dataset, self.seed, epoch, index.tolist())
 
@@ -104,7 +110,9 @@ class StreamSource:
         self.at = (epoch, position + 1)
         return batch[self.columns[0]], batch[self.columns[1]]
 
-    def read(self, index: Any, epoch: int = -1) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
+    def read(
+        self, index: Any, epoch: int = -1
+    ) -> Any:  # sample indices: numpy from the driver, a tensor for evaluation
         raise TrainingError("a Ray Dataset cannot be read by index")
 
     def drop(self) -> None:

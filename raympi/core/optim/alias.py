@@ -14,8 +14,20 @@ import torch
 
 from raympi.core import pytree
 from raympi.core.optim.base import (
-    GradientTransformation, OptState, Params, ScalarOrSchedule, Tensors, Updates, check_betas, check_nonneg, clone_tree,
-    from_fused, lr_at, new_count, per_param, scaled,
+    GradientTransformation,
+    OptState,
+    Params,
+    ScalarOrSchedule,
+    Tensors,
+    Updates,
+    check_betas,
+    check_nonneg,
+    clone_tree,
+    from_fused,
+    lr_at,
+    new_count,
+    per_param,
+    scaled,
 )
 from raympi.core.optim.states import FromTorchState, ScaleByAdamState, ScaleByScheduleState, TraceState
 from raympi.core.optim.transform import adam_init, adam_moments
@@ -107,9 +119,7 @@ def _adam(
         t = int(count)
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
-        mu, nu, denom, bc1 = adam_moments(
-            g, pytree.leaves(state.mu), pytree.leaves(state.nu), b1, b2, eps, t, donate
-        )
+        mu, nu, denom, bc1 = adam_moments(g, pytree.leaves(state.mu), pytree.leaves(state.nu), b1, b2, eps, t, donate)
         if weight_decay and decoupled and mask is not None:
             # torch.optim.AdamW with a weight_decay=0 group for the others: their ``p`` is not scaled at all.
             picked = per_param(mask, params, "adamw's mask")

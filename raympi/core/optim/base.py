@@ -16,9 +16,24 @@ import torch
 from raympi.core import pytree
 
 __all__ = [
-    "GradientTransformation", "Schedule", "ScalarOrSchedule", "Params", "Updates", "OptState", "FusedApply",
-    "apply_updates", "apply_gradients", "chain",
-    "new_count", "lr_at", "scaled", "check_nonneg", "check_betas", "per_param", "clone_tree", "from_fused",
+    "GradientTransformation",
+    "Schedule",
+    "ScalarOrSchedule",
+    "Params",
+    "Updates",
+    "OptState",
+    "FusedApply",
+    "apply_updates",
+    "apply_gradients",
+    "chain",
+    "new_count",
+    "lr_at",
+    "scaled",
+    "check_nonneg",
+    "check_betas",
+    "per_param",
+    "clone_tree",
+    "from_fused",
 ]
 
 Params = Any  # a tree of tensors (raympi uses a flat dict name -> tensor)

@@ -33,15 +33,18 @@ def _identity() -> GradientTransformation:
     return GradientTransformation(lambda params: EmptyState(), lambda grads, state, params=None: (grads, state))
 
 
-def _groups(labels: Any, tree: dict[str, Any], transforms: Mapping[Any, GradientTransformation], what: str
-            ) -> dict[Any, list[str]]:
+def _groups(
+    labels: Any, tree: dict[str, Any], transforms: Mapping[Any, GradientTransformation], what: str
+) -> dict[Any, list[str]]:
     """``{label: [names]}`` for every label of ``transforms``, in the order of ``tree``."""
     of = per_param(labels, tree, what)
     groups: dict[Any, list[str]] = {label: [] for label in transforms}
     for name in tree:
         if of[name] not in groups:
-            raise ValueError(f"{what}: parameter {name!r} has label {of[name]!r}, which has no transformation "
-                             f"(labels: {sorted(map(str, transforms))})")
+            raise ValueError(
+                f"{what}: parameter {name!r} has label {of[name]!r}, which has no transformation "
+                f"(labels: {sorted(map(str, transforms))})"
+            )
         groups[of[name]].append(name)
     return groups
 
@@ -50,15 +53,22 @@ def _pick(tree: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return {n: tree[n] for n in names}
 
 
-def _init_groups(transforms: Mapping[Any, GradientTransformation], labels: Any, params: Params, what: str
-                 ) -> dict[Any, OptState]:
+def _init_groups(
+    transforms: Mapping[Any, GradientTransformation], labels: Any, params: Params, what: str
+) -> dict[Any, OptState]:
     groups = _groups(labels, params, transforms, what)
     return {label: transforms[label].init(_pick(params, names)) for label, names in groups.items()}
 
 
-def _step_groups(transforms: Mapping[Any, GradientTransformation], labels: Any, what: str, grads: Updates,
-                 states: Mapping[Any, OptState], params: Params, donate: Optional[bool] = None
-                 ) -> tuple[dict[str, Any], dict[Any, OptState]]:
+def _step_groups(
+    transforms: Mapping[Any, GradientTransformation],
+    labels: Any,
+    what: str,
+    grads: Updates,
+    states: Mapping[Any, OptState],
+    params: Params,
+    donate: Optional[bool] = None,
+) -> tuple[dict[str, Any], dict[Any, OptState]]:
     """Each group's step on its sub-dicts.
 
     Returns updates (``donate=None``) or, through ``apply_gradients``, new parameters; and the new states.

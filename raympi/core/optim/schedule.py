@@ -49,9 +49,7 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Sch
     return schedule
 
 
-def linear_warmup(
-    warmup_steps: int, schedule: ScalarOrSchedule, init_value: float = 0.0
-) -> Schedule:
+def linear_warmup(warmup_steps: int, schedule: ScalarOrSchedule, init_value: float = 0.0) -> Schedule:
     """Ramp linearly from ``init_value`` to ``schedule``'s start, then follow it.
 
     Step ``k < warmup_steps`` gives ``init + (peak - init) * k / warmup_steps``

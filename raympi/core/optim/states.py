@@ -25,9 +25,21 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "EmptyState", "ScaleByScheduleState", "TraceState", "ScaleByAdamState", "EmaState", "FromTorchState",
-    "MaskedState", "MultiTransformState", "InjectHyperparamsState", "ApplyIfFiniteState",
-    "STATE_TYPES", "TYPE_KEY", "find_states", "to_plain", "from_plain",
+    "EmptyState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "ScaleByAdamState",
+    "EmaState",
+    "FromTorchState",
+    "MaskedState",
+    "MultiTransformState",
+    "InjectHyperparamsState",
+    "ApplyIfFiniteState",
+    "STATE_TYPES",
+    "TYPE_KEY",
+    "find_states",
+    "to_plain",
+    "from_plain",
 ]
 
 
@@ -104,8 +116,16 @@ class ApplyIfFiniteState(NamedTuple):
 
 
 STATE_TYPES: tuple[type[Any], ...] = (
-    EmptyState, ScaleByScheduleState, TraceState, ScaleByAdamState, EmaState, FromTorchState,
-    MaskedState, MultiTransformState, InjectHyperparamsState, ApplyIfFiniteState,
+    EmptyState,
+    ScaleByScheduleState,
+    TraceState,
+    ScaleByAdamState,
+    EmaState,
+    FromTorchState,
+    MaskedState,
+    MultiTransformState,
+    InjectHyperparamsState,
+    ApplyIfFiniteState,
 )
 TYPE_KEY = "__type__"  # in a plain state dict: the name of its class
 
@@ -113,7 +133,9 @@ _TYPES = frozenset(STATE_TYPES)
 _BY_NAME = {cls.__name__: cls for cls in STATE_TYPES}
 # Before the types existed a state was the dict of its fields: each class had its own set of keys.
 _BY_KEYS = {frozenset(cls._fields): cls for cls in STATE_TYPES}
-assert len(_BY_KEYS) == len(STATE_TYPES), "two optimizer state types with the same fields: old checkpoints would be ambiguous"
+assert len(_BY_KEYS) == len(STATE_TYPES), (
+    "two optimizer state types with the same fields: old checkpoints would be ambiguous"
+)
 _INNER, _INNERS = "inner_state", "inner_states"  # the fields that hold further states
 
 # Let torch.load(weights_only=True) read a state saved as it is (torch.save(opt_state)), in a process that imported raympi.
@@ -220,8 +242,10 @@ def _typed(tree: Any) -> Any:
         cls = _BY_NAME.get(name)
         fields = {k: _typed(v) for k, v in tree.items() if k != TYPE_KEY}
         if cls is None or set(fields) != set(cls._fields):
-            raise ValueError(f"not an optimizer state of this raympi: {name!r} with fields {sorted(fields)} "
-                             f"(known: {sorted(_BY_NAME)}); was it saved by a newer version?")
+            raise ValueError(
+                f"not an optimizer state of this raympi: {name!r} with fields {sorted(fields)} "
+                f"(known: {sorted(_BY_NAME)}); was it saved by a newer version?"
+            )
         return cls(**fields)
     if isinstance(tree, dict):
         return {k: _typed(v) for k, v in tree.items()}

@@ -23,14 +23,29 @@ import torch
 
 from raympi.core import pytree
 from raympi.core.optim.base import (
-    GradientTransformation, OptState, Params, ScalarOrSchedule, Tensors, Updates, check_betas, check_nonneg, lr_at,
-    new_count, scaled,
+    GradientTransformation,
+    OptState,
+    Params,
+    ScalarOrSchedule,
+    Tensors,
+    Updates,
+    check_betas,
+    check_nonneg,
+    lr_at,
+    new_count,
+    scaled,
 )
 from raympi.core.optim.states import EmaState, EmptyState, ScaleByAdamState, ScaleByScheduleState, find_states
 
 __all__ = [
-    "clip_by_global_norm", "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate", "ema", "ema_params",
-    "adam_init", "adam_moments",
+    "clip_by_global_norm",
+    "scale_by_adam",
+    "add_decayed_weights",
+    "scale_by_learning_rate",
+    "ema",
+    "ema_params",
+    "adam_init",
+    "adam_moments",
 ]
 
 
@@ -47,8 +62,14 @@ def adam_init(params: Params) -> ScaleByAdamState:
 
 
 def adam_moments(
-    g: Tensors, mu: list[torch.Tensor], nu: list[torch.Tensor],
-    b1: float, b2: float, eps: float, t: int, donate: bool,
+    g: Tensors,
+    mu: list[torch.Tensor],
+    nu: list[torch.Tensor],
+    b1: float,
+    b2: float,
+    eps: float,
+    t: int,
+    donate: bool,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, ...], float]:
     """Adam's step ``t`` (from 1) as ``torch.optim.Adam`` computes it.
 

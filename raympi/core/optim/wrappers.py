@@ -22,7 +22,13 @@ import torch
 
 from raympi.core import pytree
 from raympi.core.optim.base import (
-    GradientTransformation, OptState, Params, Updates, apply_gradients, clone_tree, new_count,
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    apply_gradients,
+    clone_tree,
+    new_count,
 )
 from raympi.core.optim.states import ApplyIfFiniteState, InjectHyperparamsState, find_states
 
@@ -100,8 +106,9 @@ def inject_hyperparams(
 
         def as_tensors(vals: dict[str, Any]) -> dict[str, torch.Tensor]:
             # float64 on the CPU: reading one back gives the very Python float the schedule returned.
-            return {n: torch.tensor(v, dtype=torch.int64 if isinstance(v, int) else torch.float64)
-                    for n, v in vals.items()}
+            return {
+                n: torch.tensor(v, dtype=torch.int64 if isinstance(v, int) else torch.float64) for n, v in vals.items()
+            }
 
         def init(params: Params) -> OptState:
             vals = {n: (float(v(0)) if callable(v) else v) for n, v in hyper.items()}
@@ -115,8 +122,9 @@ def inject_hyperparams(
             updates, inner_state = factory(**static, **vals).update(grads, state.inner_state, params)
             return updates, new_state(state, vals, inner_state)
 
-        def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False
-                        ) -> tuple[Params, OptState]:
+        def fused_apply(
+            grads: Updates, state: OptState, params: Params, donate: bool = False
+        ) -> tuple[Params, OptState]:
             vals = values(state)
             inner = factory(**static, **vals)
             new_params, inner_state = apply_gradients(inner, grads, state.inner_state, params, donate=donate)
@@ -198,8 +206,11 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
         """Whether to apply this step, and the new ``(notfinite_count, last_finite, total_notfinite)``."""
         finite = _all_finite(grads)
         streak = 0 if finite else int(state.notfinite_count) + 1
-        counters = (torch.tensor(streak, dtype=torch.int64), torch.tensor(finite),
-                    state.total_notfinite + (0 if finite else 1))
+        counters = (
+            torch.tensor(streak, dtype=torch.int64),
+            torch.tensor(finite),
+            state.total_notfinite + (0 if finite else 1),
+        )
         return finite or streak > max_consecutive_errors, counters
 
     def update(grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
