@@ -127,21 +127,16 @@ def test_storage_that_rank0_cannot_see_is_written_by_the_driver_with_a_warning(r
     assert all(torch.equal(state["params"][k], result.state.params[k]) for k in result.state.params)
 
 
-def _ranks_since(start: float, least: int = 2, timeout: float = 20.0) -> list[psutil.Process]:
-    """Worker processes started after ``start`` that are running steps ('ray::Worker.run'), oldest
-    first; waits (up to ``timeout``) until ``least`` of them are: on a loaded machine a rank may not
-    have taken its chunk yet when the checkpoint appears."""
+def _training_ranks(least: int = 2, timeout: float = 20.0) -> list[psutil.Process]:
+    """The worker processes running steps now ('ray::Worker.run': only the current run's ranks), oldest
+    first; waits (up to ``timeout``) until ``least`` of them are.  Not by start time: Ray hands actors
+    worker processes it started earlier (in an earlier test, on a shared instance)."""
     deadline = time.monotonic() + timeout
     while True:
         found = []
         for p in psutil.process_iter(["cmdline", "status", "create_time"]):
             cmd = p.info["cmdline"] or []
-            if (
-                cmd
-                and cmd[0].startswith("ray::Worker.run")
-                and p.info["status"] != psutil.STATUS_ZOMBIE
-                and p.info["create_time"] >= start
-            ):
+            if cmd and cmd[0].startswith("ray::Worker.run") and p.info["status"] != psutil.STATUS_ZOMBIE:
                 found.append(p)
         if len(found) >= least or time.monotonic() > deadline:
             return sorted(found, key=lambda p: p.info["create_time"])
@@ -155,13 +150,12 @@ def test_a_cold_restart_reads_the_rank0_checkpoint_from_storage(driver_written, 
         raise recovery.WarmSkipped("declined by the test")
 
     monkeypatch.setattr(recovery, "warm", decline)
-    start = time.time() - 1
     _, expected = driver_written
 
     def kill_rank1():
         while not (tmp_path / "step-00000008").exists():
             time.sleep(0.02)
-        victims = _ranks_since(start)
+        victims = _training_ranks()
         os.kill(victims[1].pid, signal.SIGKILL)
 
     threading.Thread(target=kill_rank1, daemon=True).start()
