@@ -29,6 +29,29 @@ class FakeGroup:
     def shutdown(self) -> None:
         self.closed = True
 
+    # The warm path: a chunk's "refs" here are the results themselves (or LOST), already there.
+
+    def abort(self, ranks: Any) -> None:
+        self.aborted = list(ranks)
+
+    def replace(self, failed: list[int]) -> None:
+        self.replaced = [*getattr(self, "replaced", []), *failed]
+
+    def outcomes(self, calls: dict[int, Any], timeout_s: float) -> dict[int, Any] | None:
+        return dict(calls)
+
+    def snapshot(self, rank: int) -> Any:
+        return {"from_rank": rank}
+
+    def holds(self, snapshot: Any, timeout_s: float) -> bool:
+        return True
+
+    def reform(self, keep: list[int], root: int, deadline: Any) -> None:
+        """The kept ranks go on (no replacement is ever ready here): the group shrinks to them."""
+        self.reformed = (list(keep), root)
+        self.world = len(keep)
+        self.fresh = False
+
 
 def failing_group(failure: Failure):
     """A group factory whose groups fail to start with ``failure`` (as a real one raises ``Failed``)."""

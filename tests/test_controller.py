@@ -11,6 +11,8 @@ import json
 import pytest
 
 from fakes import FakeGroup, ScriptedPipeline, failing_group
+from raympi.driver.group import LOST
+from raympi.driver.pipeline import Chunk
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import parse_config
 from raympi.driver.controller import Controller
@@ -139,3 +141,56 @@ def test_a_checkpoint_written_before_metrics_jsonl_was_appended_still_resumes(tm
     store.save({"params": {"w": torch.ones(2)}}, {"step": 10, "metrics": old[9]})
     run = _resumed(store, {"batch_size": 8})
     assert run.step == 10 and [r["step"] for r in run.history] == list(range(1, 11))
+
+
+def test_a_warm_restart_keeps_the_steps_the_survivors_finished_marked_as_reconstructed(tmp_path):
+    """Rank 1 dies after step 14 with steps 15-18 in flight: ranks 0 and 2 finish them, and the run goes
+    on from 18 with those records marked, nothing lost."""
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    survivor = {"step": 18, "metrics": [{"loss": 0.5, "samples": 8} for _ in range(4)]}
+    chunk = Chunk(14, 18, refs=[survivor, LOST, survivor])  # the fake group's refs are the results
+    failure = Failure(FailureKind.WORKER_LOST, "rank 1 died", ranks=(1,), chunks=(chunk,))
+    pipeline = ScriptedPipeline(plan, chunk=4, failures={14: failure})  # chunks end at 4, 8, 10, 14
+    capacity = iter([3] + [2] * 1000)  # rank 1's node is gone with it: no room to grow back
+    controller, store = _controller(tmp_path, pipeline, capacity=lambda bundle: next(capacity))
+    made = len(FakeGroup.made)
+    run = controller.fit()
+    store.close()
+    assert len(FakeGroup.made) == made + 1  # one group all along
+    group = FakeGroup.made[-1]
+    assert group.aborted == [0, 2] and group.replaced == [1] and group.reformed == ([0, 2], 0)
+    assert pipeline.starts == [0, 18]
+    (record,) = run.restarts
+    assert (record.path, record.restored_step, record.steps_lost, record.world_after) == ("warm", 18, 0, 2)
+    steps = list(run.history)
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    assert [r["step"] for r in steps if r.get("reconstructed")] == [15, 16, 17, 18]
+    assert all(r["loss"] == 0.5 and r["world_size"] == 3 for r in steps[14:18])
+    assert run.pace.left == run.pace.watch - 4  # the pace is watched after a warm restart: 4 chunks so far
+
+
+def test_a_ready_replacement_is_taken_in_by_a_grow(tmp_path):
+    """A replacement ready after a chunk: the pipeline stops, the policy says Grow, the group takes it
+    in warm (no step lost); its record's recovery time runs to the first step after it."""
+
+    class Growing(FakeGroup):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.world, self.ready = 2, True  # started one short; the third is on its way
+
+        def pending_ready(self):
+            return self.ready
+
+        def reform(self, keep, root, deadline):
+            self.ready, self.world, self.fresh = False, len(keep) + 1, False
+
+    plan = ChunkPlan(total=20, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=4)
+    controller, store = _controller(tmp_path, pipeline, new_group=Growing)
+    run = controller.fit()
+    store.close()
+    (record,) = run.restarts
+    assert (record.kind, record.path, record.world_before, record.world_after) == ("replacement_ready", "warm", 2, 3)
+    assert record.steps_lost == 0 and record.restored_step == 4 and pipeline.starts == [0, 4]
+    assert record.recovery_s is not None and record.recovery_s >= record.reform_s
+    assert run.failures == 0 and [r["world_size"] for r in run.history][3:5] == [2, 3]

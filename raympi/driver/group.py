@@ -30,7 +30,9 @@ CPU_MALLOC_ENV = {
     "MALLOC_ARENA_MAX": "1",
 }
 
-__all__ = ["WorkerGroup"]
+__all__ = ["LOST", "WorkerGroup"]
+
+LOST = "lost"  # what WorkerGroup.outcomes gives for a rank whose actor died
 
 
 class WorkerGroup:
@@ -296,6 +298,37 @@ class WorkerGroup:
                 raise CapacityError(message) from None
             raise Failed(self._failure(FailureKind.HUNG, message, stuck)) from None
         return ray.get(list(refs))
+
+    def abort(self, ranks: Sequence[int]) -> None:
+        """Ask ``ranks`` to abandon the collective in flight (answered from their health thread)."""
+        for r in ranks:
+            self.actors[r].abort.remote()
+
+    def outcomes(self, calls: dict[int, Any], timeout_s: float) -> dict[int, Any] | None:
+        """What each rank's call (rank -> object ref) returned once all are done: its result, or
+        :data:`LOST` where its actor died; ``None`` when not all were done within ``timeout_s``.
+
+        Raises:
+            ray.exceptions.RayError: a call failed otherwise (it raised).
+        """
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=max(0.0, timeout_s))
+        if len(ready) < len(calls):
+            return None
+        out: dict[int, Any] = {}
+        for r, ref in calls.items():
+            try:
+                out[r] = ray.get(ref)
+            except ray.exceptions.RayActorError:  # lost as well (several ranks on one lost node)
+                out[r] = LOST
+        return out
+
+    def snapshot(self, rank: int) -> Any:
+        """Ask ``rank`` for its state from its health thread (it may be busy re-forming): a handle for :meth:`holds`."""
+        return self.actors[rank].snapshot.remote()
+
+    def holds(self, snapshot: Any, timeout_s: float) -> bool:
+        """Whether the state asked for by :meth:`snapshot` arrived whole within ``timeout_s``."""
+        return bool(ray.wait([snapshot], timeout=max(0.0, timeout_s))[0]) and succeeded(snapshot)
 
     def silent(self, ranks: list[int], timeout_s: float = 2.0) -> list[int]:
         """Which of ``ranks`` do not answer a ping (stopped or cut off); all of them if every one answers."""

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import ray
 
 from raympi.deadline import Deadline, Expired
-from raympi.driver.group import WorkerGroup, succeeded
+from raympi.driver.group import LOST, WorkerGroup
 from raympi.driver.policy import Failed, Failure, FailureKind, Warm
 from raympi.driver.run_state import History, Phase, RestartRecord, RunState
 from raympi.exceptions import CapacityError, FormationError
@@ -92,26 +92,23 @@ def warm(
     """
     record = record_of(failure, run, group.world)
     failed, survivors = list(decision.failed), list(decision.survivors)
-    for r in survivors:
-        group.actors[r].abort.remote()
+    group.abort(survivors)
     group.replace(failed)  # replacements boot while the survivors drain
     deadline = Deadline(cfg.step_timeout_s, "step_timeout_s")
     reported: dict[int, dict[str, Any]] = {}
     done = {r: run.step for r in survivors}
     for chunk in failure.chunks:
-        refs = {r: chunk.refs[r] for r in survivors}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline.remaining())
-        if len(ready) < len(refs):
+        try:
+            outcomes = group.outcomes({r: chunk.refs[r] for r in survivors}, deadline.remaining())
+        except ray.exceptions.RayError as error:
+            raise WarmSkipped(f"a survivor failed: {type(error).__name__}") from None
+        if outcomes is None:
             raise WarmSkipped(f"a survivor did not stop within {deadline.setting}")
-        for r, ref in refs.items():
-            try:
-                res = ray.get(ref)
-            except ray.exceptions.RayActorError:  # lost as well (several ranks on one lost node)
+        for r, res in outcomes.items():
+            if res is LOST:
                 failed.append(r)
                 group.replace([r])
                 continue
-            except ray.exceptions.RayError as error:
-                raise WarmSkipped(f"a survivor failed: {type(error).__name__}") from None
             done[r] = res["step"]
             for k, metrics in enumerate(res["metrics"]):
                 reported[chunk.first + k + 1] = metrics
@@ -136,14 +133,14 @@ def warm(
     ]
     history = run.until(step).append(seen)
     # Taken from the root's health thread while it re-forms; used only if re-forming fails.
-    snapshot = group.actors[root].snapshot.remote()
+    snapshot = group.snapshot(root)
     try:
         group.reform(survivors, root, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
     except INFRASTRUCTURE_ERRORS as error:  # a cold restart follows, from the survivors' state if it was saved
-        saved = ray.wait([snapshot], timeout=Deadline(cfg.step_timeout_s).remaining())[0]
+        saved = group.holds(snapshot, Deadline(cfg.step_timeout_s).remaining())
         raise WarmSkipped(
             f"re-forming failed: {type(error).__name__}: {error}",
-            resume=(step, snapshot, history) if saved and succeeded(snapshot) else None,
+            resume=(step, snapshot, history) if saved else None,
         ) from None
     record = dataclasses.replace(
         record, path="warm", world_after=group.world, steps_lost=max(0, record.step - step), restored_step=step
