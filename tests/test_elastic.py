@@ -120,6 +120,20 @@ def _training_ranks(least: int = 2, timeout: float = 10.0) -> list[psutil.Proces
         time.sleep(0.01)
 
 
+def _idle_worker(watch_s: float = 1.0) -> psutil.Process:
+    """The hot spare: the worker process never seen running steps while the ranks train (watched for
+    ``watch_s``).  Not the newest process: Ray hands actors worker processes it started ahead, so the
+    newest may well be a rank (killing its raylet was a real worker loss, an unexpected restart)."""
+    ran: set[int] = set()
+    deadline = time.monotonic() + watch_s
+    while time.monotonic() < deadline:
+        ran |= {p.pid for p in _workers() if (p.info["cmdline"] or [""])[0].startswith("ray::Worker.run")}
+        time.sleep(0.01)
+    idle = [p for p in _workers() if p.pid not in ran]
+    assert len(idle) == 1, f"expected one idle spare, found {[(p.pid, p.info['cmdline']) for p in idle]}"
+    return idle[0]
+
+
 def _signal_one_worker(sig: int) -> None:
     """Send ``sig`` to the second-oldest rank running steps in the current run."""
     os.kill(_training_ranks()[1].pid, sig)
@@ -281,7 +295,7 @@ def test_a_worker_outliving_its_raylet_exits(cluster, uninterrupted, tmp_path):
     outlived, nodes = [], []
 
     def kill_the_spares_raylet():
-        spare = sorted(_workers(), key=lambda p: p.create_time())[-1]  # started after the ranks' setup
+        spare = _idle_worker()
         raylet = spare.parent()
         nodes.extend(n for n in cluster.workers if n.all_processes["raylet"][0].process.pid == raylet.pid)
         raylet.kill()
