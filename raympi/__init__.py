@@ -46,8 +46,8 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name == "callbacks":
-        return importlib.import_module("raympi.driver.callbacks")
+    if name in ("callbacks", "tune"):
+        return importlib.import_module(f"raympi.driver.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'raympi' has no attribute {name!r}")
@@ -78,4 +78,5 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "optim",
+    "tune",
 ]

@@ -401,7 +401,7 @@ torch.manual_seed(0)
 x = torch.randn(2048, 20); y = (x[:, 0] > 0).long()
 raympi.fit(Slow(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 2)), (x, y), workers=int(sys.argv[2]), epochs=3,
            batch_size=32, checkpoint_dir=sys.argv[1], checkpoint_every=10, address="local",
-           **({"max_steps": 6} if sys.argv[3] == "short" else {"progress": False}))
+           progress=False, **({"max_steps": 6} if sys.argv[3] == "short" else {}))
 print("finished", flush=True)
 """
 
@@ -443,6 +443,7 @@ def test_sigterm_or_ctrl_c_to_the_driver_checkpoints_before_exiting(tmp_path, si
 
 
 def test_more_workers_than_cores_on_a_local_run_are_oversubscribed(tmp_path):
+    """... and say so in one line, even with progress=False."""
     workers = os.cpu_count() + 1
     driver = _driver(tmp_path / "ck", workers, "short")
     out, err = driver.communicate(timeout=240)

@@ -232,3 +232,12 @@ def test_fp16_scaler_state_survives_a_checkpoint(tmp_path):
     resumed = steps(TrainState.from_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True)), 8, 14)
     assert float(resumed.loss_scale["scale"]) == float(straight.loss_scale["scale"])
     assert all(torch.equal(resumed.params[k], straight.params[k]) for k in straight.params)
+
+
+def test_native_bf16_is_read_from_the_cpu_flags():
+    from raympi.core.precision import cpu_has_native_bf16
+
+    assert cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_has_native_bf16("flags\t\t: fpu avx2 amx_bf16 amx_tile\n")
+    assert not cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse4_2 avx2 avx512f avx512bw\n")
+    assert cpu_has_native_bf16("no flags line at all\n")  # unknown: no warning without evidence

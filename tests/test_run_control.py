@@ -144,8 +144,9 @@ def test_nan_loss_reaches_the_caller_as_itself_and_skip_works(ray_session, tmp_p
     x, y = _data()
     x = x.clone()
     x[40] = 1000.0  # the batch holding sample 40 gives a NaN loss
-    with pytest.raises(NonFiniteLossError, match=r"rank \d of 2 on \S+ raised NonFiniteLossError"):
+    with pytest.raises(NonFiniteLossError, match=r"rank \d of 2 on \S+ raised NonFiniteLossError") as raised:
         _fit(tmp_path, model=Exploding(), dataset=(x, y), epochs=1)
+    assert "pass on_nonfinite='skip' to raympi.fit" in str(raised.value)  # the option where the user sets it
     result = _fit(tmp_path, "skip", model=Exploding(), dataset=(x, y), epochs=1, on_nonfinite="skip")
     assert len(result.metrics) == N // 32 and sum(bool(r.get("nonfinite")) for r in result.metrics) == 1
 
@@ -218,3 +219,88 @@ def test_optimizer_layout_folds_parameters_and_older_checkpoints_still_resume():
     assert _differences({**now, "frozen": ["bias"]}, now) == [
         "the frozen parameters (requires_grad=False) were ['bias'], now []"
     ]
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_warned_once_at_start(ray_session, tmp_path, monkeypatch, capsys):
+    import raympi.driver.fit as fit_module
+
+    monkeypatch.setattr(fit_module, "cpu_has_native_bf16", lambda: False)  # as on a CPU without AVX512-BF16/AMX
+    _fit(tmp_path, precision="bf16", epochs=1)  # progress=False: a warning is shown all the same
+    err = capsys.readouterr().err
+    assert err.count("warning: precision='bf16' on a CPU without native bfloat16") == 1, err
+    monkeypatch.setattr(fit_module, "cpu_has_native_bf16", lambda: True)
+    _fit(tmp_path, "native", precision="bf16", epochs=1)
+    assert "bfloat16" not in capsys.readouterr().err
+
+
+def _wandb_records(path):
+    """The records of a W&B offline run file (LevelDB's log format: 32 KiB blocks of CRC, length, kind, data)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if room < 7 or (length == 0 and kind == 0):  # the block's zero-filled tail
+            pos += room
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    return records
+
+
+def test_mlflow_and_wandb_runs_read_back(ray_session, tmp_path, monkeypatch):
+    """Params, metrics per step and per evaluation, read back with MLflow's client and from W&B's offline file."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)  # MLflow's default store: ./mlruns
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    mlflow_cb = raympi.callbacks.MLflow(experiment="tests", flush_every=5)
+    wandb_cb = raympi.callbacks.WandB("tests", mode="offline", dir=str(tmp_path))
+    _fit(tmp_path, eval_dataset=_data(), eval_every=8, epochs=2, callbacks=[mlflow_cb, wandb_cb])
+
+    client = MlflowClient(tracking_uri=f"file://{tmp_path / 'mlruns'}")
+    run = client.get_run(mlflow_cb.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["workers"] == "2" and run.data.params["batch_size"] == "32"
+    assert run.data.params["num_params"] == str(8 * 16 + 16 + 16 * 2 + 2)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(1, 17))
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")] == [8, 16]
+    assert run.data.tags["raympi.checkpoint"].endswith("step-00000016")
+
+    (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = _wandb_records(path)
+    config = next(r.run.config for r in records if r.WhichOneof("record_type") == "run")
+    assert {u.key: u.value_json for u in config.update}["workers"] == "2"
+    history = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {"/".join(i.nested_key) or i.key: float(i.value_json) for i in r.history.item}
+            history.setdefault(r.history.step.num, {}).update(items)
+    assert sorted(s for s, items in history.items() if "loss" in items) == list(range(1, 17))
+    assert sorted(s for s, items in history.items() if "eval_loss" in items) == [8, 16]
+    assert history[16]["eval_loss"] == pytest.approx(client.get_metric_history(run.info.run_id, "eval_loss")[-1].value)
+
+
+def test_a_logger_is_told_when_the_run_fails(ray_session, tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    mlflow_cb = raympi.callbacks.MLflow()
+    x, y = _data()
+    x = x.clone()
+    x[40] = float("nan")
+    with pytest.raises(NonFiniteLossError):
+        _fit(tmp_path, dataset=(x, y), callbacks=[mlflow_cb])
+    status = MlflowClient(tracking_uri=f"file://{tmp_path / 'mlruns'}").get_run(mlflow_cb.run_id).info.status
+    assert status == "FAILED"

@@ -11,7 +11,7 @@ micro-batch's activations are alive at a time.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -21,7 +21,7 @@ from raympi.exceptions import ConfigError
 __all__ = ["MicroBatch", "check_accumulate", "micro_batches"]
 
 # model args, model kwargs, targets, sample count
-MicroBatch = tuple[tuple[Any, ...], dict[str, Any], torch.Tensor, int]
+MicroBatch = tuple[tuple[Any, ...], dict[str, Any], Optional[torch.Tensor], int]
 
 
 def check_accumulate(accumulate: Any) -> int:
@@ -36,7 +36,7 @@ def check_accumulate(accumulate: Any) -> int:
 
 
 def micro_batches(
-    args: tuple[Any, ...], kwargs: dict[str, Any], targets: torch.Tensor, n: int, k: int
+    args: tuple[Any, ...], kwargs: dict[str, Any], targets: Optional[torch.Tensor], n: int, k: int
 ) -> list[MicroBatch]:
     """Cut a batch into ``min(k, n)`` micro-batches along dim 0, sizes differing by at most one.
 
@@ -60,8 +60,6 @@ def micro_batches(
         torch.tensor_split(x, k) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == n else [x] * k
         for x in leaves
     ]
-    out = []
-    for i, t in enumerate(torch.tensor_split(targets, k)):
-        a, kw = pytree.unflatten([p[i] for p in pieces], spec)
-        out.append((a, kw, t, t.shape[0]))
-    return out
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(n), k)]
+    cut = torch.tensor_split(targets, k) if targets is not None else [None] * k
+    return [(*pytree.unflatten([p[i] for p in pieces], spec), cut[i], sizes[i]) for i in range(k)]

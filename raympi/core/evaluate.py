@@ -12,9 +12,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
-from raympi.core.batch import Batch, split_batch
+from raympi.core.batch import Batch, call_model, split_batch
 from raympi.core.metrics import MetricFn, Metrics, check_metric_names, means_to_sums
 from raympi.core.mode import in_mode
 from raympi.core.state import TrainState
@@ -53,7 +52,7 @@ def make_eval_step(model: nn.Module, metric_fns: dict[str, MetricFn]) -> Callabl
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
         args, kwargs, targets, n = split_batch(batch)
         with in_mode(model, False), torch.no_grad():
-            outputs = functional_call(model, (state.params, state.buffers), args, kwargs)
+            outputs = call_model(model, (state.params, state.buffers), args, kwargs)
             sums = means_to_sums(outputs, targets, n, metric_fns, names)
         out: Metrics = dict(zip(names, sums))
         out["samples"] = n

@@ -11,7 +11,7 @@ sum(n)``.  Reading it is the step's one host read.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 import torch
 
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 Metrics = dict[str, Any]
-MetricFn = Callable[[Any, torch.Tensor], torch.Tensor]
+MetricFn = Callable[[Any, Optional[torch.Tensor]], torch.Tensor]
 
 # Keys the train step itself reports: a user metric may not take them (``accuracy`` may: it then
 # replaces the automatic one).
@@ -124,7 +124,7 @@ def _metric_value(name: str, value: Any) -> torch.Tensor:
 def stats_row(
     loss: torch.Tensor,
     outputs: Any,
-    targets: torch.Tensor,
+    targets: Optional[torch.Tensor],
     n: int,
     metric_fns: dict[str, MetricFn],
     layout: StatsLayout,
@@ -147,7 +147,7 @@ def stats_row(
         loss.detach().double() * n,  # LOSS_SUM
         correct.to(loss.device, torch.float64) if correct is not None else zero,  # CORRECT
         zero + n,  # SAMPLES
-        zero + targets.numel(),  # TARGETS
+        zero + (targets.numel() if targets is not None else 0),  # TARGETS
     ]
     values += [_metric_value(k, metric_fns[k](outputs, targets)).to(loss.device) * n for k in layout.metric_names]
     return torch.stack(values), correct is not None
@@ -175,7 +175,7 @@ def read_stats(values: list[float], layout: StatsLayout, classify: bool) -> Step
 
 
 def means_to_sums(
-    outputs: Any, targets: torch.Tensor, n: int, metric_fns: dict[str, MetricFn], names: list[str]
+    outputs: Any, targets: Optional[torch.Tensor], n: int, metric_fns: dict[str, MetricFn], names: list[str]
 ) -> list[float]:
     """``n * metric`` for each name, read to the host at once (eval: sums add up over batches).
 

@@ -36,10 +36,9 @@ from typing import Any, Callable, Literal, Optional, cast
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from raympi.core.accumulate import MicroBatch, check_accumulate, micro_batches
-from raympi.core.batch import Batch, split_batch
+from raympi.core.batch import Batch, call_model, split_batch
 from raympi.core.evaluate import make_eval_step
 from raympi.core.metrics import (
     RESERVED,
@@ -69,7 +68,7 @@ from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
 
 __all__ = ["make_train_step", "make_eval_step"]
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Optional[torch.Tensor]], torch.Tensor]  # targets: None for a batch of inputs alone
 GradSync = Callable[[Any], Any]
 
 
@@ -319,7 +318,7 @@ def _micro_grad(
         watch(leaves)
     with torch.enable_grad():
         with autocast(setup.precision, device_type):
-            outputs = functional_call(setup.model, (leaves, buffers), args, kwargs)
+            outputs = call_model(setup.model, (leaves, buffers), args, kwargs)
             loss = setup.loss_fn(outputs, targets)
         _check_loss(loss)
         with torch.no_grad():
@@ -426,8 +425,8 @@ def _update(
     if not finite and not read.overflow and setup.on_nonfinite == "raise":
         raise NonFiniteLossError(
             f"the loss is {metrics['loss']} at step {int(state.step)}. Lower the learning rate, clip "
-            "gradients (optim.clip_by_global_norm), check the data, or pass "
-            "on_nonfinite='skip' to make_train_step to skip such steps."
+            "gradients (optim.clip_by_global_norm), check the data, or skip such steps: pass "
+            "on_nonfinite='skip' to raympi.fit (or to make_train_step when you build the step yourself)."
         )
     if setup.on_nonfinite == "skip":
         metrics["nonfinite"] = not finite

@@ -2,15 +2,19 @@
 
 A callback is any object with some of these methods; each runs on the driver, never on a worker:
 
+* ``on_start(params)``: once, before the workers start, with the run's options (``workers``,
+  ``batch_size``, ...: the plain values) and the model's parameter count.
 * ``on_step(record)``: after every step, with its metrics record (step, epoch, loss, ...).
 * ``on_eval(record)``: after an evaluation, with the record of the step it followed (``eval_*`` keys).
 * ``on_checkpoint(path, step)``: once a checkpoint is on storage.
 * ``on_restart(record)``: after a recovery, with its restart record.
 * ``on_end(records)``: once, when the run ends (normally or stopped early).
+* ``on_error(error)``: instead of ``on_end``, when the run stops with an exception (Ctrl-C included).
 
 ``on_step`` and ``on_eval`` may return ``True`` to stop the run early: the driver finishes the steps
 in flight, writes a checkpoint and returns the :class:`~raympi.Result` as usual.  Built in:
-:class:`EarlyStopping` and :class:`TensorBoard`.
+:class:`EarlyStopping`, and the loggers :class:`TensorBoard`, :class:`MLflow` and :class:`WandB`
+(:mod:`raympi.driver.loggers`).
 """
 
 from __future__ import annotations
@@ -18,11 +22,16 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-__all__ = ["Callback", "EarlyStopping", "TensorBoard", "Dispatcher"]
+from raympi.driver.loggers import MLflow, TensorBoard, WandB
+
+__all__ = ["Callback", "EarlyStopping", "MLflow", "TensorBoard", "WandB", "Dispatcher", "run_params"]
 
 
 class Callback:
     """Base class with every method doing nothing; subclass and override what you need."""
+
+    def on_start(self, params: dict[str, Any]) -> None:
+        return None
 
     def on_step(self, record: dict[str, Any]) -> bool | None:
         return None
@@ -37,6 +46,9 @@ class Callback:
         return None
 
     def on_end(self, records: list[dict[str, Any]]) -> None:
+        return None
+
+    def on_error(self, error: BaseException) -> None:
         return None
 
 
@@ -73,44 +85,6 @@ class EarlyStopping(Callback):
         return False
 
 
-class TensorBoard(Callback):
-    """Write every numeric metric as a TensorBoard scalar (``pip install tensorboard``).
-
-    Args:
-        log_dir: where the event files go (one run per folder).
-
-    Example:
-        >>> raympi.fit(model, data, callbacks=[TensorBoard("runs/tb")])  # doctest: +SKIP
-    """
-
-    def __init__(self, log_dir: str) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # tensorboard is an optional extra
-            raise ImportError(
-                f"TensorBoard needs the tensorboard package: pip install 'raympi[tensorboard]' ({exc})"
-            ) from None
-        self.writer = SummaryWriter(log_dir)
-
-    def _write(self, record: dict[str, Any], prefix: str) -> None:
-        for key, value in record.items():
-            if key.startswith(prefix) and key not in ("step", "epoch", "time") and isinstance(value, (int, float)):
-                self.writer.add_scalar(key, value, record["step"])
-
-    def on_step(self, record: dict[str, Any]) -> None:
-        self._write({k: v for k, v in record.items() if not k.startswith("eval_")}, "")
-
-    def on_eval(self, record: dict[str, Any]) -> None:
-        self._write(record, "eval_")
-        self.writer.flush()
-
-    def on_restart(self, record: dict[str, Any]) -> None:
-        self.writer.add_scalar("restarts/world_after", record.get("world_after", 0), record["step"])
-
-    def on_end(self, records: list[dict[str, Any]]) -> None:
-        self.writer.close()
-
-
 class Dispatcher:
     """Calls each callback's methods that exist.  A callback that raises stops the run like any error in user code."""
 
@@ -135,6 +109,9 @@ class Dispatcher:
                 stop = self._call("on_eval", record) or stop
         return stop
 
+    def start(self, params: dict[str, Any]) -> None:
+        self._call("on_start", params)
+
     def checkpoint(self, path: str, step: int) -> None:
         self._call("on_checkpoint", path, step)
 
@@ -143,3 +120,22 @@ class Dispatcher:
 
     def end(self, records: list[dict[str, Any]]) -> None:
         self._call("on_end", records)
+
+    def error(self, error: BaseException) -> None:
+        """Tells each callback the run failed; a callback that fails here is not allowed to hide ``error``."""
+        for callback in self.callbacks:
+            try:
+                getattr(callback, "on_error", lambda _: None)(error)
+            except Exception:
+                pass
+
+
+def run_params(cfg: Any, shapes: dict[str, list[int]]) -> dict[str, Any]:
+    """The run's options as a logger's params: the plain values (numbers, strings, flags, resources),
+    and the parameter count of a model of these parameter ``shapes``."""
+    out: dict[str, Any] = {"num_params": sum(math.prod(shape) for shape in shapes.values())}
+    for name in type(cfg).model_fields:
+        value = getattr(cfg, name)
+        if isinstance(value, (int, float, str, bool)) or (isinstance(value, dict) and name == "resources_per_worker"):
+            out[name] = value
+    return out

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import ray
 
+from raympi.driver import tune
 from raympi.driver.config import FitConfig
 
 __all__ = ["cluster_capacity", "spans_hosts", "worker_bundle"]
@@ -30,7 +31,11 @@ def _room(node: dict[str, Any], bundle: dict[str, float]) -> int:
 
 
 def cluster_capacity(bundle: dict[str, float]) -> int:
-    """How many bundles of ``bundle`` the live nodes could host, counting their total resources."""
+    """How many bundles of ``bundle`` the live nodes could host, counting their total resources
+    (inside a Tune trial: the bundles it reserved for the workers)."""
+    slots = tune.current()
+    if slots is not None:
+        return len(slots.bundles)
     return sum(_room(node, bundle) for node in ray.nodes())
 
 

@@ -290,8 +290,8 @@ def load_checkpoint(path: str) -> Any:
     """Load a checkpoint folder's state (a :class:`raympi.TrainState`), checksum verified.
 
     Args:
-        path: a checkpoint folder (``.../step-00000040``) or a run's ``checkpoint_dir``
-            (then its newest valid checkpoint).
+        path: a checkpoint folder (``.../step-00000040``, or the copy Ray Tune keeps of one) or a
+            run's ``checkpoint_dir`` (then its newest valid checkpoint).
 
     Example:
         >>> state = raympi.load_checkpoint("runs/mnist/step-00000900")  # doctest: +SKIP
@@ -299,10 +299,12 @@ def load_checkpoint(path: str) -> Any:
     """
     from raympi.core.state import TrainState
 
-    store = CheckpointStore(path) if not posixpath.basename(path.rstrip("/")).startswith("step-") else None
+    fs, folder = fs_of(path)
+    one = posixpath.basename(path.rstrip("/")).startswith("step-") or fs.exists(posixpath.join(folder, "manifest.json"))
+    store = CheckpointStore(path) if not one else None
     if store is not None:
         found = store.latest()
         if found is None:
             raise FileNotFoundError(f"no valid checkpoint under {path}")
         return TrainState.from_dict(found[2])
-    return TrainState.from_dict(_read(*fs_of(path))[1])
+    return TrainState.from_dict(_read(fs, folder)[1])

@@ -72,7 +72,9 @@ class FitConfig(BaseModel):
     batch_size: int = Field(64, ge=1, description="global batch size, split across the workers")
     optimizer: Any = Field(None, description="a raympi.optim transform; default raympi.optim.adam(1e-3)")
     loss_fn: Optional[Callable[..., Any]] = Field(
-        None, description="loss_fn(outputs, targets) -> mean over samples; default cross-entropy"
+        None,
+        description="loss_fn(outputs, targets) -> mean over samples; default: the model's own loss (outputs.loss, "
+        "as Hugging Face models return with labels among the inputs), else cross-entropy",
     )
     columns: Optional[tuple[str, str]] = Field(
         None, description="(input, target) columns of a ray.data.Dataset; default its two columns"

@@ -22,7 +22,7 @@ from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.capacity import cluster_capacity, worker_bundle
 from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
-from raympi.driver.callbacks import Dispatcher
+from raympi.driver.callbacks import Dispatcher, run_params
 from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, Raise, Warm, decide
 from raympi.driver.report import MetricsLog, Progress, write_plot
 from raympi.driver.run_state import Checkpoint, Phase, RunState, StepRecord, Timers
@@ -88,6 +88,7 @@ class Controller:
         self.progress = Progress(self.plan.total, self.cfg.progress)
         previous = _on_signals(self._on_signal)
         try:
+            self.callbacks.start(run_params(self.cfg, self.fingerprint.get("params", {})))
             failure: Failure | None = None
             while True:
                 if failure is None and self.group is None:
@@ -103,8 +104,9 @@ class Controller:
                 if isinstance(decision, Finish):
                     return self._finish()
                 failure = self._carry_out(decision, failure)
-        except BaseException:
+        except BaseException as error:
             self._enter(Phase.FAILED)
+            self.callbacks.error(error)
             raise
         finally:
             _restore_signals(previous)

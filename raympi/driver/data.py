@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raympi.core import pytree
 from raympi.exceptions import ConfigError
 
 # A ray.data.Dataset is streamed by Ray Data itself (``streaming_split``): the driver then sends
@@ -27,8 +28,9 @@ from raympi.exceptions import ConfigError
 __all__ = ["Data", "Sampler", "columns_of", "epoch_order", "inspect", "rank_slices", "steps_per_epoch"]
 
 _FORMS = (
-    "an (inputs, targets) tuple of tensors or arrays (inputs may be a tuple or dict of them), "
-    "a map-style torch Dataset of (input, target) items, or a ray.data.Dataset"
+    "an (inputs, targets) tuple of tensors or arrays (inputs may be a tuple or dict of them), a dict of "
+    "input tensors alone (for a model that computes its own loss from labels among them), a map-style torch "
+    "Dataset of (input, target) items or of dicts of inputs, or a ray.data.Dataset"
 )
 
 
@@ -39,7 +41,8 @@ class Data:
     Attributes:
         kind: ``"arrays"`` (in-memory tensors, the fast path) or ``"dataset"`` (a map-style Dataset,
             read on the workers).
-        value: ``(inputs, targets)`` tensors (inputs a tensor, tuple or dict) or the Dataset itself.
+        value: ``(inputs, targets)`` tensors (inputs a tensor, tuple or dict), a dict of input tensors
+            alone, or the Dataset itself.
         length: the number of samples.
     """
 
@@ -57,7 +60,17 @@ def _as_tensor(x: Any) -> torch.Tensor | None:
 
 
 def _arrays(dataset: Any) -> Any:
-    """``(inputs, targets)`` as a tree of tensors when ``dataset`` is given in memory, else None."""
+    """``(inputs, targets)`` (or a dict of inputs alone) as a tree of tensors when ``dataset`` is given in
+    memory, else None."""
+    if isinstance(dataset, dict):
+        inputs = {k: _as_tensor(v) for k, v in dataset.items()}
+        bad = sorted(k for k, t in inputs.items() if t is None or t.ndim == 0)
+        if bad or not inputs:
+            raise ConfigError(
+                f"a dataset given as a dict holds the model's inputs alone, one tensor or array per keyword "
+                f"with one entry per sample; {bad or 'no key'} is not"
+            )
+        return inputs
     if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
         dataset = dataset.tensors
     if not (isinstance(dataset, (tuple, list)) and len(dataset) == 2):
@@ -86,21 +99,13 @@ def inspect(dataset: Any, name: str = "dataset") -> Data:
     """
     arrays = _arrays(dataset)
     if arrays is not None:
-        inputs, targets = arrays
-        leaves = (
-            list(inputs.values())
-            if isinstance(inputs, dict)
-            else list(inputs)
-            if isinstance(inputs, tuple)
-            else [inputs]
-        )
-        lengths = {len(t) for t in [*leaves, targets]}
+        lengths = {len(t) for t in pytree.leaves(arrays)}
         if len(lengths) > 1:
             raise ConfigError(
                 f"{name}: its tensors disagree in length ({sorted(lengths)}): every input and the targets "
                 "need one entry per sample"
             )
-        data = Data("arrays", arrays, len(targets))
+        data = Data("arrays", arrays, lengths.pop())
     elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
         data = Data("dataset", dataset, len(dataset))
     else:
@@ -182,8 +187,6 @@ def ship(data: Data) -> Any:
     """Put a dataset into Ray's object store once: in-memory tensors as arrays (the workers map them
     zero-copy), a Dataset as one object (pickled once, read on the workers).  Returns the ref(s)."""
     import ray
-
-    from raympi.core import pytree
 
     if data.kind == "dataset":
         return ray.put(data.value)

@@ -15,14 +15,14 @@ from typing import Any
 
 import ray
 import torch
-import torch.nn.functional as F
 
 from raympi.comm import library
 from raympi.core import optim, pytree
-from raympi.core.precision import LossScaling
+from raympi.core.loss import default_loss
+from raympi.core.precision import LossScaling, cpu_has_native_bf16
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
-from raympi.driver import data, report
+from raympi.driver import data, report, tune
 from raympi.driver.capacity import worker_bundle
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import FitConfig, parse_config
@@ -85,11 +85,14 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         >>> result.metrics[-1]["loss"]  # doctest: +SKIP
     """
     cfg = parse_config(workers=workers, **options)
+    slots = tune.in_trial(cfg.workers)
+    if slots is not None:
+        cfg = _in_trial(cfg, slots)
     reason = library.problem()
     if reason:
         raise MPIUnavailableError(reason)
     optimizer = cfg.optimizer or optim.adam(1e-3)
-    loss_fn = cfg.loss_fn or F.cross_entropy
+    loss_fn = cfg.loss_fn or default_loss
     started_ray = False
     ray_dataset, train = None, None
     announce = report.Announcer(cfg.progress)
@@ -109,8 +112,12 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
     worlds = range(cfg.min_workers, cfg.workers + 1)
     sampler = data.Sampler(cfg.seed, cfg.batch_size, num_samples, worlds, sharded=ray_dataset is not None)
     if sample is not None:  # a Dataset is never read on the driver: its first step checks it
-        _dry_run(model, loss_fn, optimizer, *sample, cfg)
+        _dry_run(model, loss_fn, optimizer, sample, cfg)
     root = cfg.checkpoint_dir or os.path.join("runs", "raympi-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if slots is not None:  # Tune copies checkpoints from paths it gets later, perhaps from another directory
+        root = os.path.abspath(root) if "://" not in root else root
+        if tune.restore_into(root):  # Tune hands the trial a checkpoint: continue from it
+            cfg = cfg.model_copy(update={"resume": True})
     store = CheckpointStore(
         root, cfg.keep_checkpoints, fetch_timeout_s=cfg.startup_timeout_s, direct_bytes=cfg.direct_checkpoint_bytes
     )
@@ -122,6 +129,11 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             cfg = _fit_local_cores(cfg, announce)
         announce("shipping the data to the object store")
         use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
+        if cfg.precision == "bf16" and not use_gpu and not cpu_has_native_bf16():
+            announce.warn(
+                "precision='bf16' on a CPU without native bfloat16 (no AVX512-BF16 or AMX): torch emulates it, "
+                "measured 6-8x slower than fp32; precision='fp32' is faster on this machine"
+            )
         spec = WorkerSpec(
             model=model,
             loss_fn=loss_fn,
@@ -224,6 +236,26 @@ def _loader_workers(cfg: FitConfig) -> int:
     return min(4, max(0, int(cfg.resources_per_worker.get("CPU", 1)) - 1))
 
 
+def _in_trial(cfg: FitConfig, slots: tune.TrialSlots) -> FitConfig:
+    """Inside a Tune trial: the workers take the trial's bundles (no spares beyond them), and the run
+    reports to the trial."""
+    return cfg.model_copy(
+        update={
+            "resources_per_worker": dict(slots.bundle),
+            "use_gpu": bool(slots.bundle.get("GPU")),
+            "spares": 0,
+            "callbacks": [*cfg.callbacks, tune.TuneReport(cfg.checkpoint_every, _eval_names(cfg))],
+        }
+    )
+
+
+def _eval_names(cfg: FitConfig) -> tuple[str, ...]:
+    """The metrics an evaluation reports (accuracy only where it applies, so not promised here)."""
+    if cfg.eval_dataset is None:
+        return ()
+    return ("eval_loss", *(f"eval_{name}" for name in cfg.metrics))
+
+
 def _fit_local_cores(cfg: FitConfig, announce: Any) -> FitConfig:
     """On a Ray instance fit started itself, more workers than cores run oversubscribed (fractional CPUs)."""
     cpus = ray.cluster_resources().get("CPU", 1)
@@ -231,8 +263,8 @@ def _fit_local_cores(cfg: FitConfig, announce: Any) -> FitConfig:
     if cfg.use_gpu or cfg.workers * per <= cpus:
         return cfg
     share = cpus / cfg.workers
-    announce(
-        f"warning: {cfg.workers} workers on {cpus:g} CPU(s): running them oversubscribed ({share:.2g} CPU each), "
+    announce.warn(
+        f"{cfg.workers} workers on {cpus:g} CPU(s): running them oversubscribed ({share:.2g} CPU each), "
         "so each step is slower than on enough cores"
     )
     return cfg.model_copy(update={"resources_per_worker": {**cfg.resources_per_worker, "CPU": share}})
@@ -318,10 +350,12 @@ def _is_ray_dataset(dataset: Any) -> bool:
     return type(dataset).__module__.startswith("ray.data") and hasattr(dataset, "split")
 
 
-def _dry_run(model, loss_fn, optimizer, inputs, targets, cfg: FitConfig) -> None:
-    """One step on two in-memory samples in the driver: a data/model mismatch is caught before any actor starts."""
+def _dry_run(model, loss_fn, optimizer, sample, cfg: FitConfig) -> None:
+    """One step on two in-memory samples in the driver: a data/model mismatch is caught before any actor starts.
+
+    ``sample``: ``(inputs, targets)`` tensors, or a dict of inputs alone."""
     step = make_train_step(model, loss_fn, optimizer, **_step_options(cfg))
-    two = pytree.map(lambda t: t[:2], (inputs, targets))
+    two = pytree.map(lambda t: t[:2], sample)
     scaling = LossScaling() if cfg.precision == "fp16" else None
     try:
         step(TrainState.create(model, optimizer, seed=cfg.seed, loss_scaling=scaling), two)
@@ -329,9 +363,10 @@ def _dry_run(model, loss_fn, optimizer, inputs, targets, cfg: FitConfig) -> None
         raise
     except Exception as exc:
         shapes = pytree.map(lambda t: f"{tuple(t.shape)} {t.dtype}", two)
+        seen = f"inputs {shapes}" if isinstance(shapes, dict) else f"inputs {shapes[0]}, targets {shapes[1]}"
         raise TrainingError(
-            f"the dataset's items do not fit the model or the loss: a step on two samples (inputs {shapes[0]}, "
-            f"targets {shapes[1]}) raised {type(exc).__name__}: {exc}"
+            f"the dataset's items do not fit the model or the loss: a step on two samples ({seen}) "
+            f"raised {type(exc).__name__}: {exc}"
         ) from exc
 
 

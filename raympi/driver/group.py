@@ -16,6 +16,7 @@ from raympi.deadline import Deadline, Expired, each_done
 from raympi.driver.capacity import cluster_capacity, spans_hosts, worker_bundle
 from raympi.driver.config import FitConfig
 from raympi.driver.policy import Failed, Failure, FailureKind
+from raympi.driver import tune
 from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
 
@@ -71,6 +72,7 @@ class WorkerGroup:
         self.hosts: list[str] = []
         self.nodes: list[str] = []
         self.pg = None
+        self.owns_pg = True  # False for a Tune trial's placement group: the trial removes it
         self.pending: list[tuple[Any, Any, Any]] = []  # replacements still starting: (actor, bundle, ready ref)
         self.spares: list[tuple[Any, Any, Any]] = []  # hot spares: (actor, bundle or None, ready ref)
         self.spares_used = 0
@@ -80,10 +82,9 @@ class WorkerGroup:
         self.bundle = worker_bundle(cfg, spec.device == "cuda")
         try:
             announce(f"placing {world} worker(s) of {self.bundle}")
-            self._place(deadline.sooner(place_timeout_s or cfg.startup_timeout_s))
-            self.bundles = list(range(world))  # placement-group bundle of each rank
+            self.bundles = self._place(deadline.sooner(place_timeout_s or cfg.startup_timeout_s))
             node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
-            self.nodes = [node_of_bundle[i] for i in range(world)]
+            self.nodes = [node_of_bundle[i] for i in self.bundles]
             env = {**cfg.mpi.environment(multi_host=spans_hosts(self.bundle, self.nodes))}
             env["OMP_NUM_THREADS"] = str(spec.torch_threads)
             if spec.device == "cpu":
@@ -228,7 +229,12 @@ class WorkerGroup:
                 self._start_spare(bundle_index)
         self.refill = []
 
-    def _place(self, deadline: Deadline) -> None:
+    def _place(self, deadline: Deadline) -> list[int]:
+        """Reserve a bundle per rank: a placement group of our own, or the Tune trial's; returns each rank's bundle."""
+        slots = tune.current()
+        if slots is not None:  # the trial reserved them (raympi.tune.trainable); it keeps its placement group
+            self.pg, self.owns_pg = slots.pg, False
+            return list(slots.bundles[: self.world])
         bundle = self.bundle
         can_host = cluster_capacity(bundle)
         if can_host < self.world:
@@ -249,6 +255,7 @@ class WorkerGroup:
                 f"startup_timeout_s={self.cfg.startup_timeout_s:g} s (the cluster has room for {can_host} when idle: "
                 "other jobs hold the rest); raise startup_timeout_s or free resources"
             )
+        return list(range(self.world))
 
     def gather(
         self,
@@ -387,9 +394,9 @@ class WorkerGroup:
         for actor in self.actors + [a for a, _, _ in self.pending + self.spares]:
             ray.kill(actor, no_restart=True)
         self.actors, self.pending, self.spares = [], [], []
-        if self.pg is not None:
+        if self.pg is not None and self.owns_pg:
             remove_placement_group(self.pg)
-            self.pg = None
+        self.pg = None
 
 
 def _clean(trace: str) -> str:

@@ -13,7 +13,7 @@ __all__ = ["Announcer", "MetricsLog", "Progress", "read_metrics", "write_plot"]
 class Announcer:
     """Says what a slow start is doing ("starting 2 workers", "joining MPI"), one line each, with the time since the first.
 
-    Quiet when ``enabled`` is False (``progress=False``).
+    Quiet when ``enabled`` is False (``progress=False``), except for :meth:`warn`.
     """
 
     def __init__(self, enabled: bool | None, stream: TextIO | None = None) -> None:
@@ -23,8 +23,15 @@ class Announcer:
 
     def __call__(self, text: str) -> None:
         if not self.quiet:
-            self.stream.write(f"raympi: [{time.monotonic() - self.start:5.1f} s] {text}\n")
-            self.stream.flush()
+            self._write(text)
+
+    def warn(self, text: str) -> None:
+        """A one-line warning the user must see: written even with ``progress=False``."""
+        self._write(f"warning: {text}")
+
+    def _write(self, text: str) -> None:
+        self.stream.write(f"raympi: [{time.monotonic() - self.start:5.1f} s] {text}\n")
+        self.stream.flush()
 
 
 class Progress:
