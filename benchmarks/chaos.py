@@ -53,12 +53,25 @@ def _net() -> nn.Module:
     return Slow(nn.Linear(DIM, 64), nn.ReLU(), nn.Linear(64, 2))
 
 
+# Every process of this run's cluster inherits this tag (its nodes start from this process, Ray's workers
+# from their raylet): faults never hit, and counts never see, another Ray instance's workers on the machine.
+RUN_TAG = "RAYMPI_CHAOS_RUN"
+os.environ[RUN_TAG] = f"{os.getpid()}-{time.time_ns()}"
+
+
+def _ours(p: psutil.Process) -> bool:
+    try:
+        return p.environ().get(RUN_TAG) == os.environ[RUN_TAG]
+    except (psutil.Error, OSError):
+        return False
+
+
 def worker_processes() -> list[psutil.Process]:
-    """Live raympi worker processes (Ray titles them 'ray::Worker...'), oldest first."""
+    """This run's live raympi worker processes (Ray titles them 'ray::Worker...'), oldest first."""
     found = []
     for p in psutil.process_iter(["cmdline", "status", "create_time"]):
         cmd = p.info["cmdline"] or []
-        if cmd and cmd[0].startswith("ray::Worker") and p.info["status"] != psutil.STATUS_ZOMBIE:
+        if cmd and cmd[0].startswith("ray::Worker") and p.info["status"] != psutil.STATUS_ZOMBIE and _ours(p):
             found.append(p)
     return sorted(found, key=lambda p: p.info["create_time"])
 
@@ -186,7 +199,7 @@ def run(
         optimizer=raympi.optim.sgd(0.05, momentum=0.9),
         max_restarts=faults + 5,
     )  # else fit's defaults
-    others = {p.pid for p in worker_processes()}  # another Ray instance's on this machine: not ours to count
+    others = {p.pid for p in worker_processes()}  # an earlier run's in this process: not this run's to count
     try:
         start = time.monotonic()
         clean = raympi.fit(_net(), _data(), checkpoint_dir=str(out / f"clean-{seed}"), **options)

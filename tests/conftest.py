@@ -1,4 +1,4 @@
-"""Shared fixtures (a private local Ray instance per module, ready actors) and the test tiers.
+"""Shared fixtures (a private local Ray instance, ready actors), the test tiers and the groups of parallel runs.
 
 Tiers, by module (``pytest -m unit``, ``-m integration``, ``-m system``; the README's command runs all):
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+import procs  # noqa: F401  (tags every Ray process of this run: tests/procs.py)
 import pytest
 
 TIERS = {
@@ -46,13 +47,31 @@ TIERS = {
 }  # every other module: integration
 
 
+# Parallel runs (pytest-xdist, ``--dist loadgroup``, set in pyproject.toml): the tests of one group run in
+# one process, one after the other.  A module is a group (its module-scoped fixtures are set up once), but
+# for modules whose tests stand alone (each test its own group) and test_elastic, whose two halves each
+# build their own cluster.
+ALONE = {"test_benchmarks", "test_driver_loss", "test_gpu_carry"}
+ELASTIC_FIRST_HALF = ("test_killed_or_hung_worker_is_recovered", "test_node_loss_continues_on_fewer_workers")
+
+
 def tier_of(module: str) -> str:
     return next((tier for tier, modules in TIERS.items() if module in modules), "integration")
+
+
+def group_of(item: pytest.Item) -> str:
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    if module in ALONE:
+        return item.nodeid
+    if module == "test_elastic":
+        return module + ("-1" if item.name.startswith(ELASTIC_FIRST_HALF) else "-2")
+    return module
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(tier_of(item.module.__name__.rsplit(".", 1)[-1]))
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
 
 
 @pytest.fixture(autouse=True)
@@ -66,20 +85,48 @@ def _unit_tests_start_no_ray(request):
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+_RAY: dict[str, bool] = {"shared": False}  # whether the Ray running now is ray_session's, kept across modules
+
+
+def _uses_ray_session(module: pytest.Module) -> bool:
+    return any("ray_session" in item.fixturenames for item in module.session.items if item.module is module.obj)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_ray_only_where_asked(request):
+    """A module that does not ask for ``ray_session`` starts with no shared Ray running (it may start
+    its own: a cluster, a Ray of 2 CPUs, a driver subprocess)."""
+    if _RAY["shared"] and not _uses_ray_session(request.node):
+        import ray
+
+        ray.shutdown()
+        _RAY["shared"] = False
+    yield
+
+
 @pytest.fixture(scope="module")
 def ray_session():
-    """A private local Ray instance (never a stale cluster recorded on the machine)."""
+    """A private local Ray instance (never a stale cluster recorded on the machine), started once and
+    shared by the modules that ask for it one after the other (a start costs seconds)."""
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=8,
-        include_dashboard=False,
-        logging_level="ERROR",
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
+    if not (_RAY["shared"] and ray.is_initialized()):
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            logging_level="ERROR",
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+        )
+        _RAY["shared"] = True
     yield ray
-    ray.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _RAY["shared"]:
+        import ray
+
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

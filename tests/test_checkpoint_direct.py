@@ -12,11 +12,11 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 import torch
 from torch import nn
 
+import procs
 import raympi
 from raympi.driver import checkpoint as checkpoint_module
 from raympi.driver import fit as fit_module
@@ -127,22 +127,6 @@ def test_storage_that_rank0_cannot_see_is_written_by_the_driver_with_a_warning(r
     assert all(torch.equal(state["params"][k], result.state.params[k]) for k in result.state.params)
 
 
-def _training_ranks(least: int = 2, timeout: float = 20.0) -> list[psutil.Process]:
-    """The worker processes running steps now ('ray::Worker.run': only the current run's ranks), oldest
-    first; waits (up to ``timeout``) until ``least`` of them are.  Not by start time: Ray hands actors
-    worker processes it started earlier (in an earlier test, on a shared instance)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = []
-        for p in psutil.process_iter(["cmdline", "status", "create_time"]):
-            cmd = p.info["cmdline"] or []
-            if cmd and cmd[0].startswith("ray::Worker.run") and p.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        if len(found) >= least or time.monotonic() > deadline:
-            return sorted(found, key=lambda p: p.info["create_time"])
-        time.sleep(0.01)
-
-
 def test_a_cold_restart_reads_the_rank0_checkpoint_from_storage(driver_written, tmp_path, stores, monkeypatch):
     from raympi.driver import recovery
 
@@ -155,7 +139,7 @@ def test_a_cold_restart_reads_the_rank0_checkpoint_from_storage(driver_written, 
     def kill_a_rank():  # as soon as rank 0 has written a checkpoint: the run has ~1 s to go
         while not (tmp_path / "step-00000004").exists():
             time.sleep(0.01)
-        os.kill(_training_ranks(least=1)[-1].pid, signal.SIGKILL)
+        os.kill(procs.training_ranks(least=1)[-1].pid, signal.SIGKILL)
 
     threading.Thread(target=kill_a_rank, daemon=True).start()
     result = _fit(tmp_path, net=_net(slow=True), direct_checkpoint_bytes=1, spares=0)

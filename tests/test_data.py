@@ -14,6 +14,7 @@ import torch
 from ray import cloudpickle
 from torch import nn
 
+import procs
 import raympi
 from raympi.exceptions import ConfigError, TrainingError
 
@@ -150,18 +151,9 @@ def test_an_item_that_raises_names_the_index_rank_and_host(ray_session, tmp_path
     assert "Traceback of the read" in str(info.value) and "__getitem__" in str(info.value)
     assert time.monotonic() - start < 60
     deadline = time.monotonic() + 20  # no worker and no loader process outlives the run
-    while _raympi_processes() and time.monotonic() < deadline:
+    while procs.workers() and time.monotonic() < deadline:
         time.sleep(0.25)
-    assert _raympi_processes() == []
-
-
-def _raympi_processes() -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline", "status", "ppid"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if cmd.startswith("ray::Worker") and p.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(p)
-    return found
+    assert procs.workers() == []
 
 
 class Ragged(Noisy):

@@ -20,6 +20,7 @@ import torch
 from ray import cloudpickle
 from torch import nn
 
+import procs
 import raympi
 from raympi.exceptions import CapacityError, RestartsExhaustedError, TrainingError
 
@@ -61,19 +62,9 @@ def no_leftovers(cluster):
         cluster.workers.append(cluster.add_node(num_cpus=1))
     cluster.wait_for_nodes()
     deadline = time.monotonic() + 20
-    while _workers() and time.monotonic() < deadline:
+    while procs.workers() and time.monotonic() < deadline:
         time.sleep(0.25)
-    assert _workers() == [], "raympi worker processes outlived the run"
-
-
-def _workers() -> list[psutil.Process]:
-    """Live processes of raympi Worker actors (Ray titles them 'ray::Worker...')."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        cmd = p.info["cmdline"] or []
-        if cmd and cmd[0].startswith("ray::Worker") and p.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(p)
-    return found
+    assert procs.workers() == [], "raympi worker processes outlived the run"
 
 
 def _data():
@@ -108,18 +99,6 @@ def _when_checkpoint(folder: pathlib.Path, step: int, action, timeout: float = 1
     return thread
 
 
-def _training_ranks(least: int = 2, timeout: float = 10.0) -> list[psutil.Process]:
-    """The worker processes running a chunk of steps now (Ray titles them 'ray::Worker.run'), oldest
-    first: never an idle hot spare, which a process's start order alone could not tell apart (Ray
-    starts worker processes ahead and hands them to actors later)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        busy = [p for p in _workers() if (p.info["cmdline"] or [""])[0].startswith("ray::Worker.run")]
-        if len(busy) >= least or time.monotonic() > deadline:
-            return sorted(busy, key=lambda p: p.create_time())
-        time.sleep(0.01)
-
-
 def _idle_worker(watch_s: float = 1.0) -> psutil.Process:
     """The hot spare: the worker process never seen running steps while the ranks train (watched for
     ``watch_s``).  Not the newest process: Ray hands actors worker processes it started ahead, so the
@@ -127,16 +106,16 @@ def _idle_worker(watch_s: float = 1.0) -> psutil.Process:
     ran: set[int] = set()
     deadline = time.monotonic() + watch_s
     while time.monotonic() < deadline:
-        ran |= {p.pid for p in _workers() if (p.info["cmdline"] or [""])[0].startswith("ray::Worker.run")}
+        ran |= {p.pid for p in procs.workers("ray::Worker.run")}
         time.sleep(0.01)
-    idle = [p for p in _workers() if p.pid not in ran]
+    idle = [p for p in procs.workers() if p.pid not in ran]
     assert len(idle) == 1, f"expected one idle spare, found {[(p.pid, p.info['cmdline']) for p in idle]}"
     return idle[0]
 
 
 def _signal_one_worker(sig: int) -> None:
     """Send ``sig`` to the second-oldest rank running steps in the current run."""
-    os.kill(_training_ranks()[1].pid, sig)
+    os.kill(procs.training_ranks()[1].pid, sig)
 
 
 def _max_diff(a, b) -> float:

@@ -153,3 +153,18 @@ def test_fit_with_more_workers_than_the_trial_reserved_is_refused(two_cpus, tmp_
 def test_trainable_refuses_no_workers():
     with pytest.raises(ConfigError, match="workers must be at least 1"):
         raympi.tune.trainable(train_fn, workers=0)
+
+
+def test_reports_go_in_step_order_each_checkpoint_with_its_step(monkeypatch):
+    """A checkpoint lands after later steps were done: their records wait, so Tune sees steps in order."""
+    sent = []
+    report = raympi.tune.TuneReport(checkpoint_every=4, eval_names=("eval_loss",))
+    monkeypatch.setattr(report, "_report", lambda record, path: (sent.append((record["step"], path)), None)[1])
+    for step in range(1, 7):
+        report.on_step({"step": step, "loss": 1.0 / step})
+    assert sent == [(1, None), (2, None), (3, None)]  # 4 waits for its checkpoint, and 5, 6 behind it
+    report.on_checkpoint("/ck/step-00000004", 4)
+    assert sent[3:] == [(4, "/ck/step-00000004"), (5, None)]  # the newest (6) waits: a run's last step is saved
+    report.on_checkpoint("/ck/step-00000006", 6)
+    report.on_end([])
+    assert sent[5:] == [(6, "/ck/step-00000006")]
