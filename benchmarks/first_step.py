@@ -37,7 +37,7 @@ class First:
 
 start = time.monotonic()
 result = raympi.fit(model, {"input_ids": ids, "labels": ids}, workers=2, batch_size=16, max_steps=4,
-                    callbacks=[First()], checkpoint_dir=sys.argv[1], progress=False, address="local")
+                    callbacks=[First()], checkpoint_dir=sys.argv[1], address="local")
 print("RESULT " + json.dumps({"imports_s": imports, "first_step_s": First.at - start,
                               "params": sum(p.numel() for p in model.parameters())}))
 """
@@ -45,6 +45,7 @@ print("RESULT " + json.dumps({"imports_s": imports, "first_step_s": First.at - s
 # fit's startup lines, in order: the phase each one opens
 PHASES = [
     ("starting Ray", "Ray start"),
+    ("connecting to Ray", "Ray start"),
     ("shipping the data", "data to the object store"),
     ("placing", "placement group"),
     ("starting", "worker processes (Python, torch, the model unpickled)"),

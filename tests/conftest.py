@@ -1,4 +1,4 @@
-"""Shared fixtures (a private local Ray instance, ready actors), the test tiers and the groups of parallel runs.
+"""Shared fixtures (a private local Ray instance, ready actors) and the test tiers.
 
 Tiers, by module (``pytest -m unit``, ``-m integration``, ``-m system``; the README's command runs all):
 
@@ -47,31 +47,13 @@ TIERS = {
 }  # every other module: integration
 
 
-# Parallel runs (pytest-xdist, ``--dist loadgroup``, set in pyproject.toml): the tests of one group run in
-# one process, one after the other.  A module is a group (its module-scoped fixtures are set up once), but
-# for modules whose tests stand alone (each test its own group) and test_elastic, whose two halves each
-# build their own cluster.
-ALONE = {"test_benchmarks", "test_driver_loss", "test_gpu_carry"}
-ELASTIC_FIRST_HALF = ("test_killed_or_hung_worker_is_recovered", "test_node_loss_continues_on_fewer_workers")
-
-
 def tier_of(module: str) -> str:
     return next((tier for tier, modules in TIERS.items() if module in modules), "integration")
-
-
-def group_of(item: pytest.Item) -> str:
-    module = item.module.__name__.rsplit(".", 1)[-1]
-    if module in ALONE:
-        return item.nodeid
-    if module == "test_elastic":
-        return module + ("-1" if item.name.startswith(ELASTIC_FIRST_HALF) else "-2")
-    return module
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(tier_of(item.module.__name__.rsplit(".", 1)[-1]))
-        item.add_marker(pytest.mark.xdist_group(group_of(item)))
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,10 @@ a masked optimizer) and through ``fit`` (dicts of tensors in memory, a Dataset o
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
+import ray.cloudpickle
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,7 @@ from raympi.core.step import make_train_step
 from raympi.exceptions import TrainingError
 
 transformers = pytest.importorskip("transformers")
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
 
 VOCAB, SEQ = 64, 12
 

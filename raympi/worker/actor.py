@@ -8,6 +8,7 @@ sample indices.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import signal
@@ -90,12 +91,14 @@ class WorkerSpec:
     grad_transport: str = "mpi"
     fp32_reduce: bool = False
     transport_timeout_s: float = 120.0
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Worker(comm.Member):
     """One rank: call :meth:`setup` after :func:`raympi.comm.form`, then :meth:`run` chunks of steps."""
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        _apply_env(spec.env)
         torch.set_num_threads(spec.torch_threads)
         self.host = socket.gethostname()
         self.rank = rank  # the rank this actor will get; Ray tags its printed lines with it (see __repr__)
@@ -290,6 +293,26 @@ class Worker(comm.Member):
         On CPU they are the live ones; Ray serializes the return value before the next step runs.
         """
         return pytree.to_arrays(_tree_to(self.state, torch.device("cpu")).to_dict())
+
+
+# glibc's mallopt parameters of the MALLOC_*_ environment variables (malloc.h)
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_ARENA_MAX": -8}
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    """Take the group's environment now, before MPI starts (it reads its variables then): into
+    ``os.environ`` (MPI, forked loader processes), and glibc's malloc settings through ``mallopt``
+    (glibc reads the variables only when a process starts)."""
+    os.environ.update(env)
+    settings = {_MALLOPT[k]: int(v) for k, v in env.items() if k in _MALLOPT}
+    if not settings:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its variables mean nothing here
+        return
+    for param, value in settings.items():
+        libc.mallopt(param, value)
 
 
 def _exit_with_parent(period_s: float = 0.5) -> None:
