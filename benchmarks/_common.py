@@ -109,6 +109,23 @@ def time_reps(barrier: Callable[[], Any], fn: Callable[[], Any], reps: int) -> l
     return times[1:]
 
 
+CHUNK_GAP_S = 1e-3  # raympi's metrics records further apart than this came in different chunks
+
+
+def steady_samples_per_s(metrics: list[dict[str, Any]], steps: int, warmup: int, global_batch: int) -> float:
+    """raympi's steady samples/s from the driver-observed times of ``fit``'s records: from the end of the chunk
+    holding step ``warmup`` to the last step (the records of a chunk are stamped microseconds apart as it arrives,
+    chunks at least a step apart)."""
+    times = {r["step"]: r["time"] for r in metrics}
+    if sorted(times) != list(range(1, steps + 1)):
+        raise RuntimeError(f"raympi reported steps {sorted(times)[:5]}..., not 1..{steps}")
+    ends = [s for s in range(1, steps) if times[s + 1] - times[s] > CHUNK_GAP_S]
+    if not ends:
+        raise RuntimeError(f"all {steps} steps came in one chunk: raise --steps")
+    s0 = min((s for s in ends if s >= warmup), default=ends[-1])
+    return global_batch * (steps - s0) / (times[steps] - times[s0])
+
+
 def slowest_median(per_rank: Iterable[Sequence[float]]) -> float:
     """The median over the repetitions of the slowest rank's time (``per_rank``: each rank's times, rep by rep)."""
     return statistics.median(max(rep) for rep in zip(*per_rank))

@@ -72,6 +72,7 @@ from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks
     read_spec,
     rotated,
     save_results,
+    steady_samples_per_s,
     torchrun_gloo,
     write_spec,
 )
@@ -81,7 +82,6 @@ from _common import run_torchrun as _run_torchrun  # noqa: E402
 WORLD = 2
 GLOBAL = PER_WORKER * WORLD  # 32 per rank, global batch 64
 DATASET = "fashion-mnist"
-CHUNK_GAP_S = 1e-3  # records further apart than this came in different chunks
 
 CONTENDERS = ("raympi-tv-lw0", "raympi-tv-lw1", "raympi-torch-op", "raympi-tensors", "torchrun-ddp", "raytrain")
 LABELS = {
@@ -214,22 +214,6 @@ class Inputs:
         self.length = len(self.tensors[1])
 
 
-def _steady(metrics: list[dict[str, Any]], steps: int, warmup: int) -> float:
-    """Samples/s from the driver-observed record times, from the end of the chunk holding step ``warmup`` to the last step."""
-    times = {r["step"]: r["time"] for r in metrics}
-    if sorted(times) != list(range(1, steps + 1)):
-        raise RuntimeError(f"raympi reported steps {sorted(times)[:5]}..., not 1..{steps}")
-    # The records of one chunk are stamped one after the other when it arrives (microseconds apart); chunks arrive
-    # at least a step apart.  The last step of each chunk but the last:
-    ends = [s for s in range(1, steps) if times[s + 1] - times[s] > CHUNK_GAP_S]
-    if not ends:
-        raise RuntimeError(f"all {steps} steps came in one chunk: raise --steps")
-    s0 = min(
-        (s for s in ends if s >= warmup), default=ends[-1]
-    )  # end of the chunk holding step `warmup` (or the last end)
-    return GLOBAL * (steps - s0) / (times[steps] - times[s0])
-
-
 def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any]:
     import raympi
 
@@ -260,7 +244,7 @@ def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any
             checkpoint_every=0,
         )
     return {
-        "samples_per_s": _steady(result.metrics, spec["steps"], spec["warmup"]),
+        "samples_per_s": steady_samples_per_s(result.metrics, spec["steps"], spec["warmup"], GLOBAL),
         "start_s": result.metrics[0]["time"] - start,
     }
 

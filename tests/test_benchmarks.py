@@ -126,6 +126,18 @@ def test_data_benchmark_quick():
     ).exists()
 
 
+@pytest.mark.slow
+def test_imagefolder_benchmark_quick():
+    """benchmarks/imagefolder.py --quick: timm's resnet18 on an ImageFolder of PNGs, raympi (both loader
+    settings) and torchrun + DDP each train and get a throughput and a ratio to DDP's."""
+    pytest.importorskip("timm")
+    proc = _quick("imagefolder.py", 600)
+    for name in ("raympi-lw0", "raympi-lw1", "torchrun-ddp"):
+        row = rf"^{name}\s+[0-9.]+ \(\s*[0-9.]+-\s*[0-9.]+\)\s+[0-9.]+x\s+[0-9.]+ \(\s*[0-9.]+-\s*[0-9.]+\)\s*$"
+        assert re.search(row, proc.stdout, re.M), proc.stdout
+    assert (ROOT / "benchmarks" / "out" / "imagefolder_quick.csv").exists()
+
+
 # slow: ~15-60 s (four worker processes start); that fit's workers get one arena is tests/test_fit.py's
 @pytest.mark.slow
 def test_malloc_arenas_quick():
