@@ -87,13 +87,18 @@ def main() -> None:
         run_config=RunConfig(storage_path=args.storage, name="fashion-mnist", verbose=1),
     )
     results = tuner.fit()
-    for result in sorted(results, key=lambda r: r.metrics.get("eval_loss", float("inf"))):
+    done = [r for r in results if "step" in r.metrics]  # a trial stopped (Ctrl-C) before its first report has none
+    for result in sorted(done, key=lambda r: r.metrics.get("eval_loss", float("inf"))):
         m = result.metrics
         print(
             f"lr {result.config['lr']:.2e} hidden {result.config['hidden']:>3}: step {m['step']:>4} "
             f"eval_loss {m['eval_loss']:.4f} eval_accuracy {m.get('eval_accuracy', float('nan')):.3f}"
         )
-    best = results.get_best_result()
+    if len(done) < len(results):
+        print(f"{len(results) - len(done)} trial(s) reported nothing (stopped before their first step)")
+    if not done:
+        return
+    best = min(done, key=lambda r: r.metrics["eval_loss"])
     print(f"best: lr {best.config['lr']:.2e} hidden {best.config['hidden']}, checkpoint {best.checkpoint.path}")
 
 
