@@ -126,6 +126,44 @@ def steady_samples_per_s(metrics: list[dict[str, Any]], steps: int, warmup: int,
     return global_batch * (steps - s0) / (times[steps] - times[s0])
 
 
+def fit_throughput(
+    model: Any,
+    dataset: Any,
+    length: int,
+    spec: dict[str, Any],
+    world: int,
+    global_batch: int,
+    lr: float,
+    loader_workers: Optional[int],
+) -> dict[str, float]:
+    """``raympi.fit`` for ``spec["steps"]`` steps (SGD ``lr``, 1 torch thread per worker, no checkpoint until
+    the end) on a :func:`fresh_ray` of ``world`` CPUs: its steady samples/s (:func:`steady_samples_per_s`
+    after ``spec["warmup"]`` steps) and ``start_s``, from ``fit()`` to the end of the first step."""
+    import raympi
+
+    with fresh_ray(world):
+        start = time.time()
+        result = raympi.fit(
+            model,
+            dataset,
+            workers=world,
+            epochs=-(-spec["steps"] // (length // global_batch)),
+            max_steps=spec["steps"],
+            batch_size=global_batch,
+            optimizer=raympi.optim.sgd(lr),
+            progress=False,
+            seed=SEED,
+            torch_threads=1,
+            loader_workers=loader_workers,
+            checkpoint_dir=spec["dir"] + "/raympi-ckpt",
+            checkpoint_every=0,
+        )
+    return {
+        "samples_per_s": steady_samples_per_s(result.metrics, spec["steps"], spec["warmup"], global_batch),
+        "start_s": result.metrics[0]["time"] - start,
+    }
+
+
 def slowest_median(per_rank: Iterable[Sequence[float]]) -> float:
     """The median over the repetitions of the slowest rank's time (``per_rank``: each rank's times, rep by rep)."""
     return statistics.median(max(rep) for rep in zip(*per_rank))
@@ -225,6 +263,45 @@ def ddp(model: Any) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model)
+
+
+def dataloader_loop(
+    spec: dict[str, Any], rank: int, world: int, model: Any, barrier: Callable[[], Any], dataset: Any, per_rank: int
+) -> None:
+    """A DDP rank's training: ``DataLoader(dataset, per_rank, DistributedSampler, num_workers=1)``, SGD
+    ``spec["lr"]``, cross-entropy, ``spec["steps"]`` steps timed between two barriers after ``spec["warmup"]``;
+    rank 0 writes ``spec["result"]`` (``ms_per_step``, ``first_step_wall``, ``world``)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True)
+    loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, num_workers=1, drop_last=True)
+    opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    steps, warmup = spec["steps"], spec["warmup"]
+    epoch, batches = 0, iter(loader)
+    first_step_wall = t0 = None
+    for s in range(steps):
+        if s == warmup:
+            barrier()
+            t0 = time.perf_counter()
+        try:
+            x, y = next(batches)
+        except StopIteration:  # a dataset shorter than the run
+            epoch += 1
+            sampler.set_epoch(epoch)
+            batches = iter(loader)
+            x, y = next(batches)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if s == 0:
+            first_step_wall = time.time()
+    barrier()
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        result = {"ms_per_step": 1000 * elapsed / (steps - warmup), "first_step_wall": first_step_wall, "world": world}
+        Path(spec["result"]).write_text(json.dumps(result))
 
 
 def raytrain_ddp(model: Any) -> tuple[Any, int, int, Callable[[], Any]]:

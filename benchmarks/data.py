@@ -39,7 +39,6 @@ Writes benchmarks/out/data.csv (every run) and benchmarks/out/data.txt (the tabl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -61,10 +60,11 @@ from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks
     SEED,
     add_child_options,
     attempt,
+    dataloader_loop,
     ddp,
     example_defs,
+    fit_throughput,
     fmt,
-    fresh_ray,
     median_or_none,
     min_median_max,
     mnist_example,
@@ -72,7 +72,6 @@ from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks
     read_spec,
     rotated,
     save_results,
-    steady_samples_per_s,
     torchrun_gloo,
     write_spec,
 )
@@ -130,40 +129,9 @@ def _dataloader_loop(
     spec: dict[str, Any], rank: int, world: int, model: torch.nn.Module, barrier: Callable[[], None]
 ) -> None:
     """DDP's side: DataLoader(augmented, 32, DistributedSampler, num_workers=1), SGD; timed between barriers."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
     torch.set_num_threads(1)
     dataset = subset(example_defs()["augmented"](DATASET, spec["data_dir"]), spec["subset"])
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True)
-    loader = DataLoader(dataset, batch_size=spec["per_worker"], sampler=sampler, num_workers=1, drop_last=True)
-    opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
-    steps, warmup = spec["steps"], spec["warmup"]
-    epoch, batches = 0, iter(loader)
-    first_step_wall = t0 = None
-    for s in range(steps):
-        if s == warmup:
-            barrier()
-            t0 = time.perf_counter()
-        try:
-            x, y = next(batches)
-        except StopIteration:  # only with a subset shorter than the run
-            epoch += 1
-            sampler.set_epoch(epoch)
-            batches = iter(loader)
-            x, y = next(batches)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        if s == 0:
-            first_step_wall = time.time()
-    barrier()
-    elapsed = time.perf_counter() - t0
-    if rank == 0:
-        Path(spec["result"]).write_text(
-            json.dumps(
-                {"ms_per_step": 1000 * elapsed / (steps - warmup), "first_step_wall": first_step_wall, "world": world}
-            )
-        )
+    dataloader_loop(spec, rank, world, model, barrier, dataset, spec["per_worker"])
 
 
 def _child_model(spec: dict[str, Any]) -> torch.nn.Module:
@@ -215,8 +183,6 @@ class Inputs:
 
 
 def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any]:
-    import raympi
-
     dataset, loader_workers = {
         "raympi-tv-lw0": (inputs.augmented, 0),
         "raympi-tv-lw1": (inputs.augmented, 1),
@@ -226,27 +192,7 @@ def run_raympi(name: str, spec: dict[str, Any], inputs: Inputs) -> dict[str, Any
     torch.set_num_threads(1)
     model = mnist_example().Net()
     model.load_state_dict(torch.load(spec["init"], weights_only=True))
-    with fresh_ray(WORLD):
-        start = time.time()
-        result = raympi.fit(
-            model,
-            dataset,
-            workers=WORLD,
-            epochs=-(-spec["steps"] // (inputs.length // GLOBAL)),
-            max_steps=spec["steps"],
-            batch_size=GLOBAL,
-            optimizer=raympi.optim.sgd(LR),
-            progress=False,
-            seed=SEED,
-            torch_threads=1,
-            loader_workers=loader_workers,
-            checkpoint_dir=spec["dir"] + "/raympi-ckpt",
-            checkpoint_every=0,
-        )
-    return {
-        "samples_per_s": steady_samples_per_s(result.metrics, spec["steps"], spec["warmup"], GLOBAL),
-        "start_s": result.metrics[0]["time"] - start,
-    }
+    return fit_throughput(model, dataset, inputs.length, spec, WORLD, GLOBAL, LR, loader_workers)
 
 
 def run_torchrun(spec: dict[str, Any]) -> dict[str, Any]:

@@ -24,19 +24,16 @@ Writes benchmarks/out/imagefolder.csv and .txt (imagefolder_quick.* with --quick
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from _common import (  # noqa: E402
     OUT,
@@ -44,15 +41,15 @@ from _common import (  # noqa: E402
     SEED,
     add_child_options,
     attempt,
+    dataloader_loop,
     ddp,
-    fresh_ray,
+    fit_throughput,
     median_range,
     mnist_example,
     read_spec,
     rotated,
     run_torchrun,
     save_results,
-    steady_samples_per_s,
     torchrun_gloo,
     write_spec,
 )
@@ -101,69 +98,18 @@ def write_pngs(folder: Path, data_dir: str, count: int) -> None:
 
 def _ddp_rank(spec: dict[str, Any]) -> None:
     """A torchrun rank: DataLoader(ImageFolder, num_workers=1) + DDP, timed between barriers."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
     torch.set_num_threads(1)
     with torchrun_gloo() as (rank, world, barrier):
         model = resnet18()
         model.load_state_dict(torch.load(spec["init"], weights_only=True))
-        model = ddp(model)
-        dataset = image_folder(spec["images"])
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True)
-        loader = DataLoader(dataset, batch_size=PER_RANK, sampler=sampler, num_workers=1, drop_last=True)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        batches, epoch, first_step_wall, t0 = iter(loader), 0, None, 0.0
-        for s in range(spec["steps"]):
-            if s == spec["warmup"]:
-                barrier()
-                t0 = time.perf_counter()
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                epoch += 1
-                sampler.set_epoch(epoch)
-                batches = iter(loader)
-                x, y = next(batches)
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            first_step_wall = first_step_wall or time.time()
-        barrier()
-        if rank == 0:
-            elapsed = time.perf_counter() - t0
-            result = {
-                "ms_per_step": 1000 * elapsed / (spec["steps"] - spec["warmup"]),
-                "first_step_wall": first_step_wall,
-            }
-            Path(spec["result"]).write_text(json.dumps(result))
+        dataloader_loop(spec, rank, world, ddp(model), barrier, image_folder(spec["images"]), PER_RANK)
 
 
 def run_raympi(spec: dict[str, Any], loader_workers: int) -> dict[str, Any]:
-    import raympi
-
     model = resnet18()
     model.load_state_dict(torch.load(spec["init"], weights_only=True))
     dataset = image_folder(spec["images"])
-    with fresh_ray(WORLD):
-        start = time.time()
-        result = raympi.fit(
-            model,
-            dataset,
-            workers=WORLD,
-            epochs=-(-spec["steps"] // (len(dataset) // GLOBAL)),
-            max_steps=spec["steps"],
-            batch_size=GLOBAL,
-            optimizer=raympi.optim.sgd(LR),
-            progress=False,
-            seed=SEED,
-            torch_threads=1,
-            loader_workers=loader_workers,
-            checkpoint_dir=spec["dir"] + "/raympi-ckpt",
-        )
-    return {
-        "samples_per_s": steady_samples_per_s(result.metrics, spec["steps"], spec["warmup"], GLOBAL),
-        "start_s": result.metrics[0]["time"] - start,
-    }
+    return fit_throughput(model, dataset, len(dataset), spec, WORLD, GLOBAL, LR, loader_workers)
 
 
 def run_contender(name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for run in range(args.runs):
             for name in rotated(contenders, run):
                 spec = write_spec(
-                    tmp, f"{run}-{name}", init=init, images=str(folder), steps=args.steps, warmup=args.warmup
+                    tmp, f"{run}-{name}", init=init, images=str(folder), steps=args.steps, warmup=args.warmup, lr=LR
                 )
                 row: dict[str, Any] = {
                     "run": run,
