@@ -142,7 +142,8 @@ class MLflow:
 
     def on_error(self, error: BaseException) -> None:
         self._flush()
-        self.client.set_terminated(self.run_id, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+        stopped = isinstance(error, (KeyboardInterrupt, SystemExit))  # Ctrl-C, a Tune scheduler's stop
+        self.client.set_terminated(self.run_id, "KILLED" if stopped else "FAILED")
 
 
 class WandB:
