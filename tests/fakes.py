@@ -48,7 +48,7 @@ class FakeGroup:
 
     def reform(self, keep: list[int], root: int, deadline: Any) -> None:
         """The kept ranks go on (no replacement is ever ready here): the group shrinks to them."""
-        self.reformed = (list(keep), root)
+        self.reformed, self.reformed_by = (list(keep), root), "derived"
         self.world = len(keep)
         self.fresh = False
 

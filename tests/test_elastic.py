@@ -6,6 +6,7 @@ killed with SIGKILL or stopped with SIGSTOP, an exception in the user's model.
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import signal
@@ -73,12 +74,12 @@ def _data():
     return x, (x[:, 0] + x[:, 1] > 0).long()
 
 
-def _net() -> nn.Module:
+def _net(pace_s: float = 0.02) -> nn.Module:
     class Slow(nn.Sequential):  # defined here so it is pickled by value: the workers cannot import tests/
-        """A small MLP that takes at least 20 ms a step, so failures land mid-run on any machine."""
+        """A small MLP that takes at least ``pace_s`` a step, so failures land mid-run on any machine."""
 
         def forward(self, x):
-            time.sleep(0.02)
+            time.sleep(pace_s)
             return super().forward(x)
 
     torch.manual_seed(0)
@@ -97,6 +98,22 @@ def _when_checkpoint(folder: pathlib.Path, step: int, action, timeout: float = 1
     thread = threading.Thread(target=wait_then_act, daemon=True)
     thread.start()
     return thread
+
+
+def _when_logged(text: str, action) -> logging.Handler:
+    """Run ``action()`` (in a thread of its own) once the driver logs a line containing ``text``."""
+
+    class Trigger(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if text in record.getMessage() and not getattr(self, "fired", False):
+                self.fired = True
+                threading.Thread(target=action, daemon=True).start()
+
+    handler = Trigger(logging.INFO)
+    logger = logging.getLogger("raympi")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler
 
 
 def _idle_worker(watch_s: float = 1.0) -> psutil.Process:
@@ -255,13 +272,18 @@ def test_killed_worker_with_random_augmentation_ends_on_the_uninterrupted_run(cl
 
 
 def test_a_hot_spare_takes_a_killed_workers_place(cluster, uninterrupted, tmp_path):
-    """Two workers on three one-CPU nodes: the third CPU holds a hot spare, which joins at once."""
+    """Two workers on three one-CPU nodes: the third CPU holds a hot spare.  Once it has joined the
+    standby communicator, a worker is killed: the spare takes its place with no new MPI connection."""
     folder = tmp_path / "ck"
-    _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGKILL))
-    result = raympi.fit(_net(), _data(), workers=2, checkpoint_dir=str(folder), **OPTIONS)
+    handler = _when_logged("is standby rank", lambda: _signal_one_worker(signal.SIGKILL))
+    try:  # paced at 60 ms a step: the spare starts and joins long before the last step, on any machine
+        result = raympi.fit(_net(0.06), _data(), workers=2, checkpoint_dir=str(folder), **OPTIONS)
+    finally:
+        logging.getLogger("raympi").removeHandler(handler)
     record = result.restarts[0]
     assert [r["kind"] for r in result.restarts] == ["worker_lost"], result.restarts
     assert record["path"] == "warm" and record["spare"] is True and record["world_after"] == 2, record
+    assert record["reformed"] == "derived", record  # from the standby communicator: no new connection
     assert record["steps_lost"] == 0 and {"detect_s", "reform_s", "first_step_s", "recovery_s"} <= set(record)
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
 

@@ -43,6 +43,10 @@ class FakeGroup:
         self.world, self.calls, self.fail_at, self.sigterm_at = world, [], fail_at, sigterm_at
         self.fresh = True
         self.actors = [FakeActor(self, r) for r in range(world)]
+        self.joins = 0
+
+    def join_spares(self):
+        self.joins += 1  # asked between chunks: this group has no spares
 
     def gather(self, refs, deadline, what, suspect_s=None):
         out = []

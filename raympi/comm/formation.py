@@ -19,6 +19,13 @@ Use it in two halves::
 A blocking ``MPI_Comm_accept`` cannot be cancelled, so when formation fails (a member dies, the
 agreement fails, or someone misses the deadline) every member is killed: no actor is left blocked,
 and the caller gets a :class:`FormationError`.
+
+Recovery without connecting: every member also keeps the merged communicator as its *standby*
+communicator, and the communicator it trains on is a duplicate of it.  A hot spare joins the standby
+communicator ahead of need (:meth:`Member.mpi_join_standby`, one connect round); after a failure,
+:func:`derive` makes the new training communicator out of the standby one with
+``MPI_Comm_create_group``, which is collective over the new group only, so the dead never take part
+and no new connection is opened (``benchmarks/standby_experiment.py`` measured it: 10-20 ms).
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ import socket
 from typing import Any, Sequence, cast
 
 from raympi.comm import library
-from raympi.comm.communicator import DEFAULT_BUCKET_BYTES, Communicator
+from raympi.comm.communicator import DEFAULT_BUCKET_BYTES, Communicator, keep_alive
 from raympi.deadline import Deadline, Expired, each_done
 from raympi.exceptions import ConfigError, FormationError, where
 
-__all__ = ["Member", "form"]
+__all__ = ["Member", "derive", "form"]
+
+# Tags of MPI_Comm_create_group: the new standby communicator, then the training one.
+_STANDBY_TAG, _TRAINING_TAG = 21, 22
 
 
 class Member:
@@ -42,6 +52,8 @@ class Member:
     """
 
     comm: Communicator | None = None
+    # Everyone of the last formation or derivation, hot spares included (an mpi4py Intracomm).
+    standby: Any = None
     # This formation so far: the group merged into, the merge rounds gone through, the first local fault.
     _forming: Any = None
     _joins: int = 0
@@ -97,10 +109,69 @@ class Member:
         if faults:
             comm.Free()
             raise FormationError(f"the closing agreement of {size} ranks failed: {'; '.join(faults)}")
+        self._adopt(comm.Dup(), bucket_bytes, compression)
+        if self.standby is not None:
+            keep_alive(self.standby)  # the previous group's: it may hold a dead process
+        self.standby = comm
+        return self.comm.rank, self.comm.size, host  # type: ignore[union-attr]
+
+    def _adopt(self, training: Any, bucket_bytes: int, compression: str | None) -> None:
+        """Train on ``training`` from now on (a :class:`Communicator` over it); release the previous one."""
         if self.comm is not None and not self.comm.abort.is_set():
             self.comm.free()  # an abandoned one may still hold a collective with a dead peer: leave it
-        self.comm = Communicator(comm, bucket_bytes, compression)
-        return self.comm.rank, self.comm.size, host
+        self.comm = Communicator(training, bucket_bytes, compression) if training is not None else None
+
+    def mpi_join_standby(self, port: str, accept: bool) -> int | None:
+        """Grow the standby communicator by one process: the joining process (``accept``, from its own
+        group of one) accepts on ``port``, every standby member connects to it; returns the new standby rank.
+
+        A member whose training communicator was abandoned (a peer failed before this call came up)
+        skips the join and returns None: the standby communicator holds the failed peer, so the collective
+        connect would never complete.
+        """
+        MPI = library.init()
+        if not accept and self.comm is not None and self.comm.abort.is_set():
+            return None
+        current = MPI.COMM_SELF if accept else self.standby
+        inter = current.Accept(port, root=0) if accept else current.Connect(port, root=0)
+        merged = inter.Merge(high=accept)
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        if accept:
+            MPI.Close_port(port)
+        inter.Free()
+        if self.standby is not None and not accept:
+            self.standby.Free()
+        elif self.standby is not None:
+            keep_alive(self.standby)  # a spare's standby of an earlier group: its peers may be dead
+        self.standby = merged
+        return cast(int, merged.Get_rank())
+
+    def mpi_derive(
+        self,
+        alive: list[int],
+        members: list[int],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        compression: str | None = None,
+    ) -> tuple[int, int, str] | None:
+        """Keep the standby ranks ``alive`` as the new standby communicator, and train on its ranks
+        ``members`` (in that order); returns (rank, size, host), or None for a standby rank left out.
+
+        Both are ``MPI_Comm_create_group``: collective over the new group only, no connection opened.
+        """
+        MPI = library.init()
+        standby = self.standby
+        if list(alive) != list(range(standby.Get_size())):
+            standby = standby.Create_group(standby.Get_group().Incl(list(alive)), tag=_STANDBY_TAG)
+            standby.Set_errhandler(MPI.ERRORS_RETURN)
+            keep_alive(self.standby)  # it holds a dead process: never handed to MPI again
+            self.standby = standby
+        if standby.Get_rank() not in members:
+            self._adopt(None, bucket_bytes, compression)
+            return None
+        training = standby.Create_group(standby.Get_group().Incl(list(members)), tag=_TRAINING_TAG)
+        training.Set_errhandler(MPI.ERRORS_RETURN)
+        self._adopt(training, bucket_bytes, compression)
+        return self.comm.rank, self.comm.size, socket.gethostname()  # type: ignore[union-attr]
 
 
 def form(
@@ -163,6 +234,47 @@ def form(
         for a in actors:
             ray.kill(a, no_restart=True)
         raise
+
+
+def derive(
+    standby: Sequence[Any],
+    alive: Sequence[int],
+    members: Sequence[int],
+    *,
+    timeout_s: float = 10.0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    compression: str | None = None,
+) -> list[tuple[int, int, str]]:
+    """A new training communicator out of the standby one, with no new connection.
+
+    Args:
+        standby: the actors of the standby communicator, in its rank order (the dead ones too).
+        alive: the standby ranks that stay (the dead ones never take part).
+        members: the positions in ``alive`` that train, in their new rank order.
+        timeout_s: the deadline.
+
+    Returns:
+        ``(rank, size, host)`` of every member, in rank order.
+
+    Raises:
+        FormationError: a member died, raised, or missed the deadline; every live actor was killed.
+    """
+    import ray
+
+    if not members or len(set(members)) != len(members) or not set(members) <= set(range(len(alive))):
+        raise ConfigError(f"members must be distinct positions in alive (0..{len(alive) - 1}), got {list(members)}")
+    deadline = Deadline(timeout_s, "timeout_s")
+    keep = [standby[r] for r in alive]
+    try:
+        calls = {
+            i: a.mpi_derive.remote(list(alive), list(members), bucket_bytes, compression) for i, a in enumerate(keep)
+        }
+        results = _results(ray, len(keep), calls, deadline)
+    except BaseException:
+        for a in keep:
+            ray.kill(a, no_restart=True)
+        raise
+    return [results[i] for i in members]
 
 
 def _results(ray: Any, size: int, calls: dict[int, Any], deadline: Deadline) -> list[Any]:

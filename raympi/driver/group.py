@@ -4,6 +4,7 @@ re-forming it around survivors (warm restarts), tearing it down; every wait has 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from typing import Any, Callable, Sequence
@@ -22,7 +23,8 @@ from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
 
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
-SUSPECT_PING_S = 1.5  # a suspected rank that does not answer a ping within this while others do is hung
+SUSPECT_PING_S = 1.5
+SPARE_PING_S = 0.5  # an idle hot spare that does not answer a ping within this is left out of a derivation  # a suspected rank that does not answer a ping within this while others do is hung
 # glibc settings of CPU workers: freed gradient-sized blocks stay in the heap (else each step's fresh
 # gradients page-fault tens of MB back in: up to 28 ms a step on a 5.8M MLP), in one arena (the step's
 # Ray thread got one that glibc shrinks on free: benchmarks/malloc_arenas.py).
@@ -33,6 +35,8 @@ CPU_MALLOC_ENV = {
 }
 
 __all__ = ["LOST", "WorkerGroup"]
+
+log = logging.getLogger("raympi")
 
 LOST = "lost"  # what WorkerGroup.outcomes gives for a rank whose actor died
 
@@ -75,7 +79,17 @@ class WorkerGroup:
         self.pg = None
         self.owns_pg = True  # False for a Tune trial's placement group: the trial removes it
         self.pending: list[tuple[Any, Any, Any]] = []  # replacements still starting: (actor, bundle, ready ref)
-        self.spares: list[tuple[Any, Any, Any]] = []  # hot spares: (actor, bundle or None, ready ref)
+        self.spares: list[tuple[Any, Any, Any]] = []  # hot spares outside MPI: (actor, bundle or None, ready ref)
+        # The standby communicator (see raympi.comm.formation): its actors in rank order, the dead included
+        # until the next derivation; the hot spares inside it (actor, bundle); those taking a failed rank's
+        # place at the next reform; a spare's join in flight (spare, bundle, ready ref, join refs).
+        self.standby: list[Any] = []
+        self.joined: list[tuple[Any, Any]] = []
+        self.incoming: list[tuple[Any, Any]] = []
+        self.joining: tuple[Any, Any, Any, list[Any]] | None = None
+        self.lost: list[Any] = []  # actors killed since the last reform (still in the standby communicator)
+        self.standby_broken = False  # a join was cut short: the members may disagree on the standby communicator
+        self.reformed_by = ""  # how the last reform made its communicator: "derived" or "connected"
         self.spares_used = 0
         self.fresh = True  # no step run yet by a set of processes that all just started (a warm group is not)
         self.refill: list[int] = []  # bundles freed by spares taken in, for new spares once re-formed
@@ -112,6 +126,7 @@ class WorkerGroup:
                 compression=cfg.compression,
             )
             self.hosts = [host for _, _, host in members]
+            self.standby = list(self.actors)
             self.form_s = time.monotonic() - started
             self.state_ref = state if state is None or isinstance(state, ray.ObjectRef) else ray.put(state)
             shards = ray_dataset[0].streaming_split(world, equal=True) if ray_dataset else [None] * world
@@ -163,6 +178,8 @@ class WorkerGroup:
         """
         for r in failed:
             ray.kill(self.actors[r], no_restart=True)
+            self.lost.append(self.actors[r])
+        self._settle_join(wait_s=0.2)
         alive, ready = [], []
         for spare in self.spares:
             done = bool(ray.wait([spare[2]], timeout=0)[0])
@@ -171,9 +188,15 @@ class WorkerGroup:
                 continue
             (ready if done else alive).append(spare)
         alive, self.spares = ready + alive, []  # ready spares first
-        room = max(0, cluster_capacity(self.bundle) - (self.world - len(failed)) - len(self.pending))
+        room = max(
+            0, cluster_capacity(self.bundle) - (self.world - len(failed)) - len(self.pending) - len(self.incoming)
+        )
         for r in failed:
-            if alive:  # a spare (ready, or nearly) takes the rank; a new spare takes the freed bundle
+            if self.joined:  # a spare inside the standby communicator: it joins with no new connection
+                self.incoming.append(self.joined.pop(0))
+                self.spares_used += 1
+                self.refill.append(self.bundles[r])
+            elif alive:  # a spare (ready, or nearly) takes the rank; a new spare takes the freed bundle
                 self.pending.append(alive.pop(0))
                 self.spares_used += 1
                 self.refill.append(self.bundles[r])
@@ -187,12 +210,63 @@ class WorkerGroup:
         """Whether a replacement started by :meth:`replace` is ready to join."""
         return bool(self.pending) and bool(ray.wait([ref for _, _, ref in self.pending], timeout=0)[0])
 
-    def reform(self, keep: list[int], root: int, deadline: Deadline) -> None:
-        """A new communicator of the old ranks ``keep`` (in order) and the replacements ready by now.
+    def join_spares(self) -> None:
+        """Connect one ready hot spare into the standby communicator, if there is one and none is joining.
 
-        Waits for replacements only while fewer than ``min_workers`` ranks would be left; the others
-        stay pending and join later (another :meth:`reform`).  Every rank then takes the state of old
-        rank ``root`` by broadcast.  Any failure here leaves the caller to do a cold restart.
+        Called between two chunks: the members' part of the join is queued behind the chunks in flight,
+        so training never waits for a spare to start, only for one connect round (see
+        :meth:`raympi.comm.Member.mpi_join_standby`).
+        """
+        self._settle_join()
+        if self.joining is not None or self.standby_broken or not self.standby:
+            return
+        for spare in self.spares:
+            if ray.wait([spare[2]], timeout=0)[0] and succeeded(spare[2]):
+                self.spares.remove(spare)
+                try:
+                    port = ray.get(spare[0].mpi_open_port.remote(), timeout=SUSPECT_PING_S)
+                except (ray.exceptions.RayError, TimeoutError):
+                    ray.kill(spare[0], no_restart=True)
+                    return
+                refs = [a.mpi_join_standby.remote(port, False) for a in self.standby]
+                self.joining = (spare[0], spare[1], spare[2], [spare[0].mpi_join_standby.remote(port, True), *refs])
+                log.info("raympi: a hot spare joins the standby communicator of %d", len(self.standby))
+                return
+
+    def _settle_join(self, wait_s: float = 0.0) -> None:
+        """Account for a spare's join once it is over (``wait_s``: at a failure, wait that long, then give up on it).
+
+        A join over, every call answered with a rank: the spare is inside.  Cut short by a failure: the
+        members that had not started it skip it (their communicator was abandoned) and keep the old standby
+        communicator; if one went through, the members disagree on it and the next reform connects anew.
+        """
+        if self.joining is None:
+            return
+        spare, bundle, _, refs = self.joining
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        if len(done) < len(refs) and not wait_s:
+            return  # still queued behind the chunks in flight
+        self.joining = None
+        answers = [ray.get(r) if succeeded(r) else None for r in done]
+        if len(done) == len(refs) and all(isinstance(a, int) for a in answers):
+            self.standby.append(spare)
+            self.joined.append((spare, bundle))
+            log.info("raympi: a hot spare is standby rank %d", answers[0])
+            return
+        log.info("raympi: a hot spare's join was cut short (answers %s of %d)", answers, len(refs))
+        ray.kill(spare, no_restart=True)  # blocked in its accept for good
+        member_answers = [a for r, a in zip(done, answers) if r is not refs[0]]
+        self.standby_broken = any(isinstance(a, int) for a in member_answers)
+
+    def reform(self, keep: list[int], root: int, deadline: Deadline) -> None:
+        """A new communicator of the old ranks ``keep`` (in order), the hot spares taking failed ranks'
+        places, and the replacements ready by now.
+
+        With no replacement to take in, it is derived from the standby communicator (no new connection);
+        otherwise every member connects anew.  Waits for replacements only while fewer than ``min_workers``
+        ranks would be left; the others stay pending and join later (another :meth:`reform`).  Every rank
+        then takes the state of old rank ``root`` by broadcast.  Any failure here leaves the caller to do
+        a cold restart.
         """
         ready: list[tuple[Any, int, Any]] = []
         while True:
@@ -203,24 +277,44 @@ class WorkerGroup:
                     ready.append(item)
                 except ray.exceptions.RayError:
                     ray.kill(item[0], no_restart=True)
-            if len(keep) + len(ready) >= self.cfg.min_workers or not self.pending or deadline.expired():
+            kept = len(keep) + len(self.incoming) + len(ready)
+            if kept >= self.cfg.min_workers or not self.pending or deadline.expired():
                 break
             ray.wait([ref for _, _, ref in self.pending], num_returns=1, timeout=deadline.remaining())
-        if len(keep) + len(ready) < self.cfg.min_workers:
+        if kept < self.cfg.min_workers:
             raise CapacityError(
-                f"only {len(keep) + len(ready)} worker(s) could be kept or started, fewer than min_workers={self.cfg.min_workers}"
+                f"only {kept} worker(s) could be kept or started, fewer than min_workers={self.cfg.min_workers}"
             )
-        self.actors = [self.actors[r] for r in keep] + [a for a, _, _ in ready]
-        self.bundles = [self.bundles[r] for r in keep] + [b for _, b, _ in ready]
-        self.world = len(self.actors)
-        # Re-forming hangs now and then after a peer died mid-collective (MPICH over UCX, 1 in 10-30): a short deadline.
-        members = comm.form(
-            self.actors,
-            timeout_s=max(1.0, min(deadline.remaining(), max(REFORM_MIN_S, 4 * self.form_s))),
-            bucket_bytes=self.cfg.bucket_bytes,
-            compression=self.cfg.compression,
-        )
-        self.hosts = [host for _, _, host in members]
+        self._settle_join(wait_s=max(0.2, min(2.0, deadline.remaining())))
+        actors = [self.actors[r] for r in keep] + [a for a, _ in self.incoming] + [a for a, _, _ in ready]
+        self.bundles = [self.bundles[r] for r in keep] + [b for _, b in self.incoming] + [b for _, b, _ in ready]
+        self.actors, self.world, self.incoming = actors, len(actors), []
+        # Re-forming by connecting hangs now and then after a peer died mid-collective (MPICH over UCX, 1 in
+        # 10-30): a short deadline.
+        timeout_s = max(1.0, min(deadline.remaining(), max(REFORM_MIN_S, 4 * self.form_s)))
+        options = {"timeout_s": timeout_s, "bucket_bytes": self.cfg.bucket_bytes, "compression": self.cfg.compression}
+        if not ready and not self.standby_broken:
+            # A spare that died idle (its node lost, say) is still in the standby communicator: leave it out.
+            pings = [(a, a.ping.remote()) for a, _ in self.joined]
+            answered, _ = ray.wait([p for _, p in pings], num_returns=len(pings), timeout=SPARE_PING_S)
+            for spare, ping in pings:
+                if ping not in answered or not succeeded(ping):
+                    ray.kill(spare, no_restart=True)
+                    self.lost.append(spare)
+                    self.joined = [j for j in self.joined if j[0] is not spare]
+            alive = [i for i, a in enumerate(self.standby) if not any(a is d for d in self.lost)]
+            standby = [self.standby[i] for i in alive]
+            members = [next(i for i, s in enumerate(standby) if s is a) for a in actors]
+            formed = comm.derive(self.standby, alive, members, **options)  # type: ignore[arg-type]
+            self.standby, self.reformed_by = standby, "derived"
+        else:
+            formed = comm.form(actors, **options)  # type: ignore[arg-type]
+            self.standby, self.standby_broken, self.reformed_by = list(actors), False, "connected"
+            # The spares inside the old standby communicator join the new one as they did the old.
+            self.spares.extend((a, b, a.__ray_ready__.remote()) for a, b in self.joined)
+            self.joined = []
+        self.lost = []
+        self.hosts = [host for _, _, host in formed]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
         self.gather([a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group")
@@ -228,7 +322,7 @@ class WorkerGroup:
         # New spares start only now (one importing torch took the cores re-forming needs: +0.3 s on
         # 2 cores), and only where live nodes have room (never waiting on a lost node's bundle).
         for bundle_index in self.refill:
-            if cluster_capacity(self.bundle) > self.world + len(self.spares):
+            if cluster_capacity(self.bundle) > self.world + len(self.spares) + len(self.joined):
                 self._start_spare(bundle_index)
         self.refill = []
 
@@ -394,9 +488,12 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every actor and release the placement group (idempotent)."""
-        for actor in self.actors + [a for a, _, _ in self.pending + self.spares]:
+        joining = [self.joining[0]] if self.joining else []
+        others = [a for a, _, _ in self.pending + self.spares] + [a for a, _ in self.joined + self.incoming]
+        for actor in self.actors + others + joining:
             ray.kill(actor, no_restart=True)
-        self.actors, self.pending, self.spares = [], [], []
+        self.actors, self.pending, self.spares, self.joined, self.incoming, self.joining = [], [], [], [], [], None
+        self.standby, self.lost = [], []
         if self.pg is not None and self.owns_pg:
             remove_placement_group(self.pg)
         self.pg = None

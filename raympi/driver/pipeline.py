@@ -139,6 +139,8 @@ class Pipeline:
 
         while next_step < plan.total or inflight:
             stop = keep_first(stop_requested())
+            if stop is None:
+                group.join_spares()  # a ready hot spare joins the standby communicator between two chunks
             while len(inflight) < 2 and next_step < plan.total and stop is None:
                 count = min(size, plan.boundary(next_step) - next_step)
                 inflight.append(self.submit(group, next_step, count))

@@ -143,7 +143,12 @@ def warm(
             resume=(step, snapshot, history) if saved else None,
         ) from None
     record = dataclasses.replace(
-        record, path="warm", world_after=group.world, steps_lost=max(0, record.step - step), restored_step=step
+        record,
+        path="warm",
+        world_after=group.world,
+        steps_lost=max(0, record.step - step),
+        restored_step=step,
+        reformed=group.reformed_by,
     )
     return _append(run, record, failure, history=history, step=step, start_step=step)
 
@@ -211,4 +216,4 @@ def grow(group: WorkerGroup, failure: Failure, run: RunState, cfg: Any) -> RunSt
         record_of(failure, run, group.world), path="warm", restored_step=run.step, steps_lost=0
     )
     group.reform(list(range(group.world)), 0, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
-    return _append(run, dataclasses.replace(record, world_after=group.world), failure)
+    return _append(run, dataclasses.replace(record, world_after=group.world, reformed=group.reformed_by), failure)

@@ -136,6 +136,8 @@ class RestartRecord:
         spare: a hot spare took a failed rank's place.
         warm_skipped: why a warm restart was tried and given up (then ``path`` is cold).
         source: ``"survivors"`` when a cold restart started from the survivors' state, not a checkpoint.
+        reformed: how a warm path made its communicator: ``"derived"`` from the standby communicator
+            (no new connection) or ``"connected"`` anew.
     """
 
     time: float
@@ -157,6 +159,7 @@ class RestartRecord:
     spare: bool = False
     warm_skipped: str | None = None
     source: str | None = None
+    reformed: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values (lists, no ``None`` fields) for JSON, callbacks and ``Result.restarts``."""
