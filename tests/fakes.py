@@ -21,6 +21,7 @@ class FakeGroup:
     def __init__(self, cfg: Any, world: int, spec: Any, state: Any, ray_dataset: Any = None, **options: Any) -> None:
         self.world, self.state, self.options = world, state, options
         self.spares_used, self.pending, self.fresh, self.closed = 0, [], True, False
+        self.reformed_by = ""
         FakeGroup.made.append(self)
 
     def pending_ready(self) -> bool:

@@ -183,6 +183,7 @@ def test_a_ready_replacement_is_taken_in_by_a_grow(tmp_path):
 
         def reform(self, keep, root, deadline):
             self.ready, self.world, self.fresh = False, len(keep) + 1, False
+            self.reformed_by = "connected"  # a replacement outside the standby communicator connects
 
     plan = ChunkPlan(total=20, steps_per_epoch=10, checkpoint_every=10)
     pipeline = ScriptedPipeline(plan, chunk=4)
