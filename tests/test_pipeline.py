@@ -48,7 +48,7 @@ class FakeGroup:
     def join_spares(self):
         self.joins += 1  # asked between chunks: this group has no spares
 
-    def gather(self, refs, deadline, what, suspect_s=None):
+    def gather(self, refs, deadline, what, heartbeat=False):
         out = []
         for call in refs:
             if call.method == "run":

@@ -17,6 +17,7 @@ from raympi import comm
 from raympi.deadline import Deadline, Expired, each_done
 from raympi.driver.capacity import cluster_capacity, spans_hosts, worker_bundle
 from raympi.driver.config import FitConfig
+from raympi.driver.heartbeat import BEAT_S, SILENT_S, Heartbeat
 from raympi.driver.policy import Failed, Failure, FailureKind
 from raympi.driver import tune
 from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
@@ -361,13 +362,13 @@ class WorkerGroup:
         what: str,
         startup: bool = False,
         first_call: bool = False,
-        suspect_s: float | None = None,
+        heartbeat: bool = False,
     ) -> list[Any]:
         """Results of one call per rank, failing fast on the first error and at ``deadline``.
 
         ``first_call``: the workers' first call, where dying on a live node means the spec did not unpickle.
-        ``suspect_s``: after this long (and again each time it passes) every rank is pinged; when some
-        answer and others do not, the silent ones are hung (stopped, cut off) without waiting for ``deadline``.
+        ``heartbeat``: ping every rank while waiting (:mod:`raympi.driver.heartbeat`); a rank silent for
+        ``SILENT_S`` while the others answer is hung (stopped, cut off), found without waiting for ``deadline``.
 
         Raises:
             Failed: a rank died, raised, or made no progress in time (``startup``: a timeout is a
@@ -375,9 +376,10 @@ class WorkerGroup:
         """
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
+        watch = Heartbeat(self.actors) if heartbeat and self.world > 1 else None
         try:
             while pending:
-                wait = deadline if suspect_s is None else deadline.sooner(suspect_s)
+                wait = deadline if watch is None else deadline.sooner(BEAT_S)
                 try:
                     for ref in each_done(pending, wait):
                         pending.remove(ref)
@@ -385,13 +387,13 @@ class WorkerGroup:
                 except Expired as expired:
                     if deadline.expired():
                         raise Expired(deadline, expired.pending) from None
-                    stuck = self.silent(list(range(self.world)), timeout_s=SUSPECT_PING_S)
-                    if len(stuck) < self.world:  # some answered, these did not: hung, not merely slow
+                    stuck = watch.silent() if watch is not None else []
+                    if stuck:  # the others answered later pings: hung, not merely slow
                         raise Failed(
                             self._failure(
                                 FailureKind.HUNG,
                                 f"{what}: rank(s) {stuck} stopped answering "
-                                f"(no reply to a ping within {SUSPECT_PING_S:g} s while the others replied)",
+                                f"(a ping unanswered for {SILENT_S:g} s while the others replied)",
                                 stuck,
                             )
                         ) from None

@@ -22,7 +22,6 @@ from raympi.driver.policy import Failed, Failure, FailureKind
 __all__ = ["Chunk", "ChunkPlan", "Pipeline", "Hooks"]
 
 CHUNK_SECONDS = 0.5  # target duration of one chunk of steps
-SUSPECT_S = 2.0  # waited this long for a chunk (four times its target duration): ping the ranks
 MAX_CHUNK = 512
 
 
@@ -153,10 +152,11 @@ class Pipeline:
             first = chunk.first == start and group.fresh
             field = "startup_timeout_s" if first else "step_timeout_s"
             deadline = Deadline(getattr(cfg, field), field, start=max(last_done, time.monotonic()))
-            # A rank stopped or cut off is found by a ping long before step_timeout_s, which stays the hard limit.
-            suspect = {} if first else {"suspect_s": SUSPECT_S}
+            # A rank stopped or cut off is found by the heartbeat long before step_timeout_s, the hard limit.
             try:
-                results = group.gather(chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}", **suspect)
+                results = group.gather(
+                    chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}", heartbeat=not first
+                )
             except Failed as failed:
                 return dataclasses.replace(failed.failure, chunks=(chunk, *inflight))
             aborted = [r for r, res in enumerate(results) if res["aborted"]]
@@ -182,7 +182,9 @@ class Pipeline:
             if chunk.eval is not None:
                 try:
                     records[-1].update(
-                        group.gather(chunk.eval, Deadline(cfg.step_timeout_s, "step_timeout_s"), "evaluation")[0]
+                        group.gather(
+                            chunk.eval, Deadline(cfg.step_timeout_s, "step_timeout_s"), "evaluation", heartbeat=True
+                        )[0]
                     )
                 except Failed as failed:
                     hooks.completed(chunk, records)  # the steps are done: the survivors' state is past them
