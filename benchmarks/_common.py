@@ -18,11 +18,13 @@ import ast
 import contextlib
 import csv
 import json
+import logging
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -489,3 +491,81 @@ def save_results(stem: str, rows: list[dict[str, Any]], table: str) -> None:
     (OUT / f"{stem}.txt").write_text(table + "\n")
     print("\n" + table)
     print(f"\nwrote {OUT / (stem + '.csv')} and {OUT / (stem + '.txt')}")
+
+
+def raylet_pids(nodes: list[Any]) -> set[int]:
+    """The raylets' pids of ``nodes`` (``ray.cluster_utils`` nodes, or the local node of ``ray.init``)."""
+    from ray._private import ray_constants
+
+    return {
+        info.process.pid for node in nodes for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+    }
+
+
+def own_raylets() -> set[int]:
+    """The raylet of the Ray instance this driver started (ray.init(address="local"))."""
+    import ray._private.worker
+
+    return raylet_pids([ray._private.worker._global_node])
+
+
+def ray_processes(prefix: str, raylets: set[int]) -> list[Any]:
+    """Live processes titled ``prefix``... (Ray titles actors 'ray::<Class>...') started by one of ``raylets``.
+
+    Only our own Ray instance's: other Ray instances on the machine (other people's tests) are left alone.
+    """
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if cmd and cmd[0].startswith(prefix) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                if any(parent.pid in raylets for parent in p.parents()):
+                    found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def training_workers(raylets: set[int]) -> list[Any]:
+    """raympi's Worker processes that are training (they used CPU in the last 0.2 s; a hot spare waits idle)."""
+    procs = sorted(ray_processes("ray::Worker", raylets), key=lambda p: p.pid)
+    before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
+    time.sleep(0.2)
+    busy = [p for p in procs if sum(p.cpu_times()[:2]) > before[p.pid] + 0.01]
+    if not busy:
+        raise RuntimeError("found no training raympi worker")
+    return busy
+
+
+class SpareJoins(logging.Handler):
+    """Counts the driver's "a hot spare is standby rank" lines; ``is_set()`` once there was one since the last ``clear()``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "is standby rank" in record.getMessage():
+            self.count += 1
+            self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def clear(self) -> None:
+        self.event.clear()
+
+
+def spare_joins() -> SpareJoins:
+    """A fresh :class:`SpareJoins` on the ``raympi`` logger (the one of an earlier call removed)."""
+    handler = SpareJoins()
+    logger = logging.getLogger("raympi")
+    for old in [h for h in logger.handlers if isinstance(h, SpareJoins)]:
+        logger.removeHandler(old)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.disabled = False  # importing ray.train configures logging with disable_existing_loggers
+    return handler

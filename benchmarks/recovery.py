@@ -58,7 +58,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 import shutil
@@ -82,7 +81,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, where this file is imported rather than run
 
 import raympi  # noqa: E402
-from _common import OMP1, OUT, start_local_ray, write_csv  # noqa: E402
+from _common import (  # noqa: E402
+    OMP1,
+    OUT,
+    own_raylets,
+    spare_joins,
+    ray_processes,
+    raylet_pids,
+    start_local_ray,
+    training_workers,
+    write_csv,
+)
 
 if __name__ != "__main__":  # imported: the model and the train loop must still reach the workers by value
     import ray.cloudpickle
@@ -121,38 +130,6 @@ def _ray_init(**kwargs: Any) -> None:
     import ray
 
     ray.init(logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": dict(OMP1)}, **kwargs)
-
-
-def _raylet_pids(nodes: list[Any]) -> set[int]:
-    from ray._private import ray_constants
-
-    return {
-        info.process.pid for node in nodes for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
-    }
-
-
-def _own_raylets() -> set[int]:
-    """The raylet of the Ray instance this driver started (ray.init(address="local"))."""
-    import ray._private.worker
-
-    return _raylet_pids([ray._private.worker._global_node])
-
-
-def _processes(prefix: str, raylets: set[int]) -> list[psutil.Process]:
-    """Live processes titled ``prefix``... (Ray titles actors 'ray::<Class>...') started by one of ``raylets``.
-
-    Only our own Ray instance's: other Ray instances on the machine (other people's tests) are left alone.
-    """
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            cmd = p.info["cmdline"] or []
-            if cmd and cmd[0].startswith(prefix) and p.info["status"] != psutil.STATUS_ZOMBIE:
-                if any(parent.pid in raylets for parent in p.parents()):
-                    found.append(p)
-        except psutil.Error:
-            pass
-    return found
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float, stop: threading.Event) -> bool:
@@ -289,46 +266,17 @@ def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[s
     }
 
 
-class _SpareJoined(logging.Handler):
-    """Set once the driver logs that a hot spare joined the standby communicator."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.joined = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "is standby rank" in record.getMessage():
-            self.joined.set()
-
-
 def _checkpoint_exists(folder: str) -> Callable[[], bool]:
     """Ready to inject: the checkpoint exists and the run is in its steady state (its hot spare has
     joined the standby communicator, as it has in any run past its first seconds)."""
     path = Path(folder) / f"step-{FAIL_AFTER_CHECKPOINT:08d}"
-    handler = _SpareJoined()
-    logger = logging.getLogger("raympi")
-    for old in [h for h in logger.handlers if isinstance(h, _SpareJoined)]:
-        logger.removeHandler(old)
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.disabled = False  # importing ray.train configures logging with disable_existing_loggers
+    joined = spare_joins()
     return lambda: (
-        handler.joined.is_set()
+        joined.is_set()
         and (
             path.exists() or any(p.name > path.name for p in path.parent.glob("step-*"))  # older ones are rotated out
         )
     )
-
-
-def _training_workers(raylets: set[int]) -> list[psutil.Process]:
-    """raympi's Worker processes that are training (they used CPU in the last 0.2 s; a hot spare waits idle)."""
-    procs = sorted(_processes("ray::Worker", raylets), key=lambda p: p.pid)
-    before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
-    time.sleep(0.2)
-    busy = [p for p in procs if sum(p.cpu_times()[:2]) > before[p.pid] + 0.01]
-    if not busy:
-        raise RuntimeError("found no training raympi worker")
-    return busy
 
 
 def raympi_killed_worker(n: int, steps: int, path: str, sig: int = signal.SIGKILL) -> dict[str, Any]:
@@ -339,10 +287,10 @@ def raympi_killed_worker(n: int, steps: int, path: str, sig: int = signal.SIGKIL
     injector = None
     try:
         start_local_ray(4, env=OMP1, log_to_driver=False)  # as raympi.fit starts Ray itself
-        raylets = _own_raylets()
+        raylets = own_raylets()
 
         def inject() -> float:
-            victim = _training_workers(raylets)[-1]  # watches CPU use for 0.2 s: not part of the recovery
+            victim = training_workers(raylets)[-1]  # watches CPU use for 0.2 s: not part of the recovery
             fired = time.time()
             os.kill(victim.pid, sig)
             return fired
@@ -362,7 +310,7 @@ def raympi_killed_worker(n: int, steps: int, path: str, sig: int = signal.SIGKIL
 
 def _node_of(process: psutil.Process, nodes: list[Any]) -> Optional[Any]:
     """The Cluster node whose raylet is an ancestor of ``process``."""
-    raylets = {pid: node for node in nodes for pid in _raylet_pids([node])}
+    raylets = {pid: node for node in nodes for pid in raylet_pids([node])}
     try:
         for parent in process.parents():
             if parent.pid in raylets:
@@ -388,7 +336,7 @@ def raympi_removed_node(n: int, steps: int, path: str) -> dict[str, Any]:
 
         def remove() -> float:
             nodes = list(cluster.worker_nodes)
-            training = _training_workers(_raylet_pids(nodes))  # not the idle hot spare's node
+            training = training_workers(raylet_pids(nodes))  # not the idle hot spare's node
             hosting = [h for h in (_node_of(p, nodes) for p in training) if h is not None]
             if not hosting:
                 raise RuntimeError("found no node hosting a training raympi worker")
@@ -489,7 +437,7 @@ def raytrain_killed_worker(n: int, steps: int) -> dict[str, Any]:
         # With the dashboard (ray.init's default): Ray Train's PlacementGroupCleaner watches the controller through
         # the state API; without it, it was seen to remove the placement group under a run that had just finished.
         start_local_ray(4, env=OMP1, log_to_driver=False, dashboard=None)
-        raylets = _own_raylets()
+        raylets = own_raylets()
         snapshot = Path(folder, "storage", "bench", "checkpoint_manager_snapshot.json")
         registered = re.compile(rf'"step":\s*{FAIL_AFTER_CHECKPOINT}\b')
 
@@ -501,7 +449,7 @@ def raytrain_killed_worker(n: int, steps: int) -> dict[str, Any]:
 
         def kill() -> float:
             rank1 = {pid for _, _, pid, rank in _read_log(log) if rank == 1}
-            victims = [p for p in _processes("ray::RayTrainWorker", raylets) if p.pid in rank1]
+            victims = [p for p in ray_processes("ray::RayTrainWorker", raylets) if p.pid in rank1]
             if not victims:
                 raise RuntimeError("found no RayTrainWorker process of rank 1")
             fired = time.time()

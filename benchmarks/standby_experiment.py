@@ -11,8 +11,8 @@ training member in the middle of an allreduce, and then measures, on the survivo
     shrink         MPIX_Comm_shrink of the standby communicator (ULFM), where the build has it
     reform         raympi.comm.form over the same actors: the connect path used today
 
-each ``--rounds`` times (a new training member dies each round; a new spare is connected to the
-shrunk standby communicator in between).  Each timing is the slowest rank's.  A step that fails or
+each ``--rounds`` times (a new training member dies each round; a new spare joins the new standby
+communicator in between, as in fit: one connect round).  Each timing is the slowest rank's.  A step that fails or
 hangs past ``--timeout`` seconds is printed as such.
 
 Run:
@@ -20,6 +20,7 @@ Run:
     python benchmarks/standby_experiment.py --netmod ofi
     python benchmarks/standby_experiment.py --members 8 --rounds 5
     python benchmarks/standby_experiment.py --shrink           # MPIX_Comm_shrink for the new standby
+    python benchmarks/standby_experiment.py --sizes 8,16,32,64 # the trend: derive against connect
 """
 
 from __future__ import annotations
@@ -103,23 +104,6 @@ class Peer(comm.Member):
         self.standby = self.standby.Create_group(group, tag=8)
         return time.perf_counter() - started
 
-    def open_port(self) -> str:
-        return library.init().Open_port()
-
-    def accept_spare(self, port: str, new: bool) -> float:
-        """Grow the standby communicator by one process (collective; ``new``: the process joining)."""
-        MPI = library.init()
-        started = time.perf_counter()
-        if new:
-            inter = MPI.COMM_SELF.Connect(port, root=0)
-        else:
-            inter = self.standby.Accept(port, root=0)
-            if self.standby.Get_rank() == 0:
-                MPI.Close_port(port)
-        self.standby = inter.Merge(high=new)
-        self.standby.Set_errhandler(MPI.ERRORS_RETURN)
-        return time.perf_counter() - started
-
     def standby_rank(self) -> int:
         return self.standby.Get_rank()
 
@@ -154,23 +138,50 @@ def main() -> None:
     parser.add_argument(
         "--shrink", action="store_true", help="MPIX_Comm_shrink instead of create_group for the new standby"
     )
+    parser.add_argument("--sizes", default="", help="a trend: members per run, e.g. 8,16,32,64 (one round each)")
     args = parser.parse_args()
     env = MPIConfig(netmod=args.netmod).environment(multi_host=False)  # what fit gives its workers
     os.environ.update(env)
-    print(f"MPI: {library.library_version()}; {env}; {args.members} members + 1 spare")
-    ray.init(num_cpus=args.members + 2, include_dashboard=False, log_to_driver=False)
-    Actor = ray.remote(num_cpus=0.5, max_restarts=0)(Peer)
-    actors = [Actor.remote(env) for _ in range(args.members + 1)]
+    sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else [args.members]
+    rounds = 1 if args.sizes else args.rounds
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    trend = []
+    for members in sizes:
+        rows = experiment(args, members, rounds, env)
+        print()
+        print(f"{'step':24} {'runs':>4} {'median s':>10} {'max s':>8}")
+        for name, values in rows.items():
+            print(f"{name:24} {len(values):4d} {statistics.median(values):10.4f} {max(values):8.4f}")
+        trend.append((members, rows))
+    if len(sizes) > 1:
+        print()
+        print(f"{'members':>7} | {'derive (create_group) s':>23} | {'connect (form) s':>16} | {'connect/derive':>14}")
+        for members, rows in trend:
+            derive = statistics.median(rows["create_group"]) if rows.get("create_group") else None
+            connect = statistics.median(rows["reform (connect)"]) if rows.get("reform (connect)") else None
+            ratio = f"{connect / derive:.0f}x" if derive and connect else "-"
+            print(
+                f"{members:>7} | {derive if derive is not None else float('nan'):>23.4f} | "
+                f"{connect if connect is not None else float('nan'):>16.4f} | {ratio:>14}"
+            )
+    ray.shutdown()
+
+
+def experiment(args: argparse.Namespace, n: int, rounds: int, env: dict[str, str]) -> dict[str, list[float]]:
+    """Form a standby communicator of ``n`` members + 1 spare, then ``rounds`` rounds of kill / derive / reform."""
+    print(f"MPI: {library.library_version()}; {env}; {n} members + 1 spare")
+    Actor = ray.remote(num_cpus=0.01, max_restarts=0)(Peer)
+    actors = [Actor.remote(env) for _ in range(n + 1)]
     started = time.perf_counter()
     comm.form(actors, timeout_s=60)
     print(f"standby formed: {time.perf_counter() - started:.3f} s")
     ray.get([a.adopt_standby.remote() for a in actors])
     pids = ray.get([a.pid.remote() for a in actors])
     rows: dict[str, list[float]] = {}
-    members = list(range(args.members))  # standby ranks of the training members
-    status, s = slowest([a.create_training.remote(members) for a in actors[: args.members]], args.timeout)
+    members = list(range(n))  # standby ranks of the training members
+    status, s = slowest([a.create_training.remote(members) for a in actors[:n]], args.timeout)
     print(f"training communicator derived: {status} {s}")
-    for round_ in range(args.rounds):
+    for round_ in range(rounds):
         standby_size = len(actors)
         spare = standby_size - 1  # the spare is the last standby rank
         victim = members[round_ % len(members)]
@@ -206,11 +217,11 @@ def main() -> None:
             break
         rows.setdefault("new standby", []).append(s)
         started = time.perf_counter()
-        status, s = slowest([actors[r].open_port.remote() for r in alive[:1]], args.timeout)
-        port = ray.get(actors[alive[0]].open_port.remote())
-        fresh = Actor.remote(env)
+        fresh = Actor.remote(env)  # as fit does: the new spare opens a port, the standby members connect to it
+        port = ray.get(fresh.mpi_open_port.remote())
         status, s = slowest(
-            [actors[r].accept_spare.remote(port, False) for r in alive] + [fresh.accept_spare.remote(port, True)],
+            [actors[r].mpi_join_standby.remote(port, False) for r in alive]
+            + [fresh.mpi_join_standby.remote(port, True)],
             args.timeout,
         )
         rows.setdefault("spare joins standby", []).append(time.perf_counter() - started)
@@ -231,12 +242,9 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             print(f"  raympi.comm.form: FAILED {exc}")
             break
-        # form() killed nothing; the Member's own comm is now the reformed one: re-adopt the standby's.
-    print()
-    print(f"{'step':24} {'runs':>4} {'median s':>10} {'max s':>8}")
-    for name, values in rows.items():
-        print(f"{name:24} {len(values):4d} {statistics.median(values):10.4f} {max(values):8.4f}")
-    ray.shutdown()
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    return rows
 
 
 if __name__ == "__main__":

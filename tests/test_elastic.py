@@ -288,6 +288,36 @@ def test_a_hot_spare_takes_a_killed_workers_place(cluster, uninterrupted, tmp_pa
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
 
 
+def test_a_worker_dying_in_evaluation_is_recovered_and_the_evaluation_done_again(cluster, uninterrupted, tmp_path):
+    """Evaluation is a step like the others: the first rank to evaluate dies there (SIGKILL from inside
+    its metric); the survivor's abandoned sum is an infrastructure failure, not the user's error, and
+    after the restart the evaluation of that step runs again: nothing is lost."""
+    marker, driver = str(tmp_path / "died"), os.getpid()
+
+    def dies_once(outputs, targets):
+        if os.getpid() == driver:  # fit tries the metric on a sample first, in the driver
+            return torch.tensor(0.0)
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return torch.tensor(0.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    result = raympi.fit(
+        _net(),
+        _data(),
+        workers=2,
+        eval_dataset=_data(),
+        metrics={"dies_once": dies_once},
+        checkpoint_dir=str(tmp_path / "ck"),
+        **OPTIONS,
+    )
+    assert [(r["kind"], r["path"]) for r in result.restarts] == [("worker_lost", "warm")], result.restarts
+    evaluated = [m["step"] for m in result.metrics if "eval_loss" in m]
+    assert evaluated == [64, 128, 192, 256], evaluated  # the first one too, done again after the restart
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
 def test_a_worker_outliving_its_raylet_exits(cluster, uninterrupted, tmp_path):
     """The raylet of the hot spare's node killed (a crash, the OOM killer, or a node removed while the
     spare started: seen in the chaos soak): Ray leaves the spare's process idling, and no ray.kill

@@ -1,37 +1,106 @@
-"""The heartbeat's judgement (raympi.driver.heartbeat.silent_ranks): who is silent, and who is only slow."""
+"""The heartbeat (raympi.driver.heartbeat): who is silent, who is only slow, and how the limit follows the machine."""
 
-from raympi.driver.heartbeat import SILENT_S, silent_ranks
+from raympi.driver.heartbeat import BEAT_S, SILENT_S, SLOW_FACTOR, Heartbeat, silent_ranks
 
 LATE = SILENT_S + 0.1
 
 
-def test_a_rank_without_sign_of_life_while_another_answered_a_later_ping_is_silent():
-    # rank 1 last answered the ping sent at t=0 and has one in flight since 0.15; rank 0 answered the one of 0.3
-    assert silent_ranks({1: 0.15}, {0: 0.3, 1: 0.0}, now=LATE, since=0.0) == [1]
+def test_a_rank_whose_ping_is_unanswered_while_another_answered_a_later_one_is_silent():
+    # rank 1's ping went out at t=0; rank 0 answered the ping sent at t=0.3
+    assert silent_ranks({1: 0.0}, {0: 0.3, 1: -0.15}, now=LATE, silent_s=SILENT_S) == [1]
 
 
 def test_not_silent_before_the_limit():
-    assert silent_ranks({1: 0.15}, {0: 0.3, 1: 0.0}, now=SILENT_S - 0.05, since=0.0) == []
-
-
-def test_a_rank_with_no_ping_in_flight_is_not_judged():
-    assert silent_ranks({}, {0: 5.0, 1: 0.0}, now=6.0, since=0.0) == []
+    assert silent_ranks({1: 0.0}, {0: 0.3}, now=SILENT_S - 0.05, silent_s=SILENT_S) == []
 
 
 def test_nobody_is_blamed_when_every_rank_is_late():
     """The driver itself (or the whole machine) was starved: no rank answered anything recent."""
-    assert silent_ranks({0: 0.15, 1: 0.15, 2: 0.15}, {0: 0.0, 1: 0.0, 2: 0.0}, now=5.0, since=0.0) == []
+    assert silent_ranks({0: 0.0, 1: 0.0, 2: 0.0}, {0: -0.15, 1: -0.15, 2: -0.15}, now=5.0, silent_s=SILENT_S) == []
 
 
-def test_others_must_have_answered_a_ping_sent_after_the_one_in_flight():
+def test_others_must_have_answered_a_ping_sent_after_the_late_one():
     """Rank 0 answered only pings older than rank 1's: no evidence that the driver's pings get through."""
-    assert silent_ranks({1: 1.0}, {0: 0.5, 1: 0.0}, now=3.0, since=0.0) == []
+    assert silent_ranks({1: 1.0}, {0: 0.5, 1: 0.0}, now=3.0, silent_s=SILENT_S) == []
 
 
 def test_several_silent_ranks_are_all_named():
-    assert silent_ranks({1: 0.0, 3: 0.1}, {0: 0.5, 2: 0.6}, now=2.0, since=0.0) == [1, 3]
+    assert silent_ranks({1: 0.0, 3: 0.1}, {0: 0.5, 2: 0.6}, now=2.0, silent_s=SILENT_S) == [1, 3]
 
 
-def test_a_rank_that_never_answered_counts_from_when_the_watch_began():
-    assert silent_ranks({1: 10.0}, {0: 10.2}, now=10.0 + LATE, since=10.0) == [1]
-    assert silent_ranks({1: 10.0}, {0: 10.2}, now=10.5, since=10.0) == []
+class _Ping:
+    """A fake actor's ping: answered when the test says so."""
+
+    def __init__(self, actor: "_Actor") -> None:
+        self.actor = actor
+
+    def remote(self) -> str:
+        self.actor.sent += 1
+        return f"{self.actor.name}-{self.actor.sent}"
+
+
+class _Actor:
+    def __init__(self, name: str) -> None:
+        self.name, self.sent = name, 0
+        self.ping = _Ping(self)
+
+
+class _Ray:
+    """``ray.wait`` over the fake pings: those named in ``answered`` are done."""
+
+    def __init__(self) -> None:
+        self.answered: set[str] = set()
+
+    def wait(self, refs, num_returns, timeout):
+        done = [r for r in refs if r in self.answered]
+        return done, [r for r in refs if r not in self.answered]
+
+
+def _watch(n: int):
+    now = [0.0]
+    actors = [_Actor(f"r{i}") for i in range(n)]
+    watch = Heartbeat(actors, clock=lambda: now[0])
+    fake = _Ray()
+    watch._ray = fake
+    return watch, actors, fake, now
+
+
+def _beat(watch, fake, now, answering, until: float):
+    """Call ``silent`` every BEAT_S until ``until``, the ranks ``answering`` answering every ping at once."""
+    found = []
+    while now[0] < until:
+        fake.answered.update(watch.unanswered[r][0] for r in answering if r in watch.unanswered)
+        now[0] += BEAT_S
+        found = watch.silent()
+        if found:
+            return found, now[0]
+    return found, now[0]
+
+
+def test_a_stopped_rank_is_found_within_a_second_and_the_others_are_not_blamed():
+    watch, actors, fake, now = _watch(3)
+    found, at = _beat(watch, fake, now, answering=[0, 1, 2], until=2.0)
+    assert found == []  # everyone answers: nobody is silent, however long it runs
+    stopped_at = now[0]
+    found, at = _beat(watch, fake, now, answering=[0, 2], until=stopped_at + 3.0)
+    assert found == [1] and at - stopped_at <= SILENT_S + 2 * BEAT_S + 1e-9, (found, at - stopped_at)
+
+
+def test_the_limit_grows_on_a_machine_that_answers_slowly():
+    watch, actors, fake, now = _watch(2)
+    assert watch.limit() == SILENT_S
+    for _ in range(3):  # every answer takes 0.3 s (two looks at BEAT_S apart)
+        now[0] += BEAT_S
+        watch.silent()
+        fake.answered.update(ref for ref, _ in watch.unanswered.values())
+        now[0] += BEAT_S
+        watch.silent()
+    assert watch.limit() >= SLOW_FACTOR * 2 * BEAT_S - 1e-9 > SILENT_S
+
+
+def test_a_driver_busy_elsewhere_does_not_raise_the_limit():
+    watch, actors, fake, now = _watch(2)
+    fake.answered.update(ref for ref, _ in watch.unanswered.values())
+    now[0] += 3.0  # the driver wrote a checkpoint meanwhile: the answers came long ago, unseen
+    watch.silent()
+    assert watch.limit() == SILENT_S

@@ -67,7 +67,8 @@ class FakeGroup:
             elif call.method == "evaluate":
                 if self.fail_at and self.fail_at[0] == "evaluate":
                     raise Failed(Failure(K.WORKER_LOST, "rank 1 died in evaluation", ranks=(1,)))
-                out.append({"eval_loss": 0.5})
+                aborted = self.fail_at and self.fail_at[0] == "evaluate_aborted" and len(out) == 1
+                out.append({"aborted": True} if aborted else {"eval_loss": 0.5})
         return out
 
     def _step_of(self, call: Call) -> int:
@@ -89,12 +90,14 @@ class TestPipeline(Pipeline):
 class Hooks:
     def __init__(self, on_step: dict[int, Failure] | None = None) -> None:
         self.steps: list[int] = []
+        self.records: list[dict] = []
         self.saved: list[int] = []
         self.drains: list[Failure] = []
         self.on_step = on_step or {}
 
     def completed(self, chunk, records):
         self.steps += [r["step"] for r in records]
+        self.records += records
         return self.on_step.get(chunk.last)
 
     def save(self, state_ref, step):
@@ -165,11 +168,31 @@ def test_a_lost_worker_returns_the_failure_with_the_chunks_in_flight():
     assert hooks.steps == list(range(1, result.chunks[0].first + 1))
 
 
-def test_a_worker_lost_in_evaluation_still_records_the_steps_done():
-    hooks = Hooks()
-    result = _pipeline(total=12, eval_size=8).run(FakeGroup(2, fail_at=("evaluate", 0)), 0, hooks, lambda: None)
+def test_a_worker_lost_in_evaluation_still_records_the_steps_done_and_the_restart_evaluates_first():
+    hooks, pipeline = Hooks(), _pipeline(total=12, eval_size=8, checkpoint_every=10)
+    result = pipeline.run(FakeGroup(2, fail_at=("evaluate", 0)), 0, hooks, lambda: None)
     assert result.kind is K.WORKER_LOST
     assert hooks.steps == list(range(1, 11))  # the epoch's steps are done; their state is on the survivors
+    assert hooks.saved == [] and "eval_loss" not in hooks.records[-1]  # cut short with the evaluation
+    after = Hooks()
+    assert pipeline.run(FakeGroup(2), 10, after, lambda: None) is None  # the group after a warm restart
+    assert after.steps == [10, 11, 12]  # step 10 again, now with its evaluation: nothing lost
+    assert after.records[0]["eval_loss"] == 0.5 and after.records[0]["loss"] == 1.0
+    assert after.saved == [10, 12]
+
+
+def test_an_abandoned_collective_in_evaluation_is_an_infrastructure_failure():
+    hooks = Hooks()
+    result = _pipeline(total=12, eval_size=8).run(FakeGroup(2, fail_at=("evaluate_aborted", 0)), 0, hooks, lambda: None)
+    assert result.kind is K.COLLECTIVE and result.kind.counted, result
+
+
+def test_an_owed_evaluation_is_dropped_when_training_goes_back_further():
+    hooks, pipeline = Hooks(), _pipeline(total=12, eval_size=8, checkpoint_every=10)
+    pipeline.run(FakeGroup(2, fail_at=("evaluate", 0)), 0, hooks, lambda: None)
+    after = Hooks()
+    pipeline.run(FakeGroup(2), 8, after, lambda: None)  # a cold restart from the checkpoint of step 8
+    assert after.steps == [9, 10, 11, 12] and "eval_loss" in after.records[1]
 
 
 @pytest.mark.parametrize("start", [0, 7, 24])

@@ -253,7 +253,7 @@ class Controller:
         pace, slower = run.pace.observe(records[-1]["samples_per_s"])
         self.run = dataclasses.replace(
             run,
-            history=run.history.append(records),
+            history=run.history.until(records[0]["step"] - 1).append(records),  # an owed evaluation: its step again
             step=records[-1]["step"],
             restarts=restarts,
             timers=dataclasses.replace(timers, progress=now, recovering=None),

@@ -376,7 +376,7 @@ class WorkerGroup:
         """
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
-        watch = Heartbeat(self.actors) if heartbeat and self.world > 1 else None
+        watch = self._heartbeat() if heartbeat and self.world > 1 else None
         try:
             while pending:
                 wait = deadline if watch is None else deadline.sooner(BEAT_S)
@@ -404,6 +404,13 @@ class WorkerGroup:
                 raise CapacityError(message) from None
             raise Failed(self._failure(FailureKind.HUNG, message, stuck)) from None
         return ray.get(list(refs))
+
+    def _heartbeat(self) -> Heartbeat:
+        """The heartbeat of the current ranks: one for the group's life, new after each reform."""
+        watch = getattr(self, "_watch", None)
+        if watch is None or watch.actors != self.actors:
+            watch = self._watch = Heartbeat(self.actors)
+        return watch
 
     def abort(self, ranks: Sequence[int]) -> None:
         """Ask ``ranks`` to abandon the collective in flight (answered from their health thread)."""

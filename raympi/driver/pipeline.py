@@ -97,9 +97,44 @@ class Pipeline:
         snapshot: Callable[[Any, int], Any] | None = None,
     ) -> None:
         self.plan, self.sampler, self.cfg, self.eval_size = plan, sampler, cfg, eval_size
+        # An evaluation (and checkpoint) a failure cut short: (step, that step's record, checkpoint wanted).
+        # The next run from that step does them first, on the new group: the restart loses nothing.
+        self.owed: tuple[int, dict[str, Any], bool] | None = None
         # How rank 0's state after a step is asked for (queued behind that step's chunk): by default an
         # object ref of the state; the checkpoint store may ask rank 0 to write a large one itself.
         self.snapshot = snapshot or (lambda group, step: group.actors[0].state_dict.remote())
+
+    def _evaluation(self, group: Any, step: int) -> list[Any]:
+        """Every rank's evaluation of its part of the eval set, after ``step``."""
+        parts = torch.tensor_split(torch.arange(self.eval_size), group.world)
+        return [a.evaluate.remote(parts[r], self.cfg.eval_with_ema) for r, a in enumerate(group.actors)]
+
+    def _evaluated(self, group: Any, refs: list[Any]) -> dict[str, Any]:
+        """Rank 0's eval metrics; raises Failed when a rank died or hung, or a collective was abandoned."""
+        results = group.gather(refs, Deadline(self.cfg.step_timeout_s, "step_timeout_s"), "evaluation", heartbeat=True)
+        aborted = [r for r, res in enumerate(results) if isinstance(res, dict) and res.get("aborted")]
+        if aborted:
+            raise Failed(Failure(FailureKind.COLLECTIVE, f"evaluation: a collective failed on rank(s) {aborted}"))
+        return dict(results[0])
+
+    def _pay_owed(self, group: Any, start: int, hooks: Hooks) -> Failure | None:
+        """The evaluation and checkpoint of step ``start`` that a failure cut short, on the new group;
+        returns a planned stop asked for meanwhile.  Raises :class:`Failed` when it fails again."""
+        owed, self.owed = self.owed, None
+        if owed is None or owed[0] != start:
+            return None  # training went back further: that step's chunk runs again, with them
+        step, record, checkpoint = owed
+        refs = self._evaluation(group, step)
+        state = self.snapshot(group, step) if checkpoint else None
+        try:
+            metrics = self._evaluated(group, refs)
+        except Failed:
+            self.owed = owed
+            raise
+        stop = hooks.completed(Chunk(step, step, [], eval=refs), [{**record, **metrics, "time": time.time()}])
+        if state is not None:
+            stop = hooks.save(state, step) or stop
+        return stop
 
     def submit(self, group: Any, first: int, count: int) -> Chunk:
         """Send steps ``first+1 .. first+count`` to every rank (indices only)."""
@@ -113,8 +148,7 @@ class Pipeline:
         last = first + count
         chunk = Chunk(first, last, [a.run.remote(shards[r], self.cfg.batch_size) for r, a in enumerate(group.actors)])
         if self.plan.wants_eval(last):
-            parts = torch.tensor_split(torch.arange(self.eval_size), world)
-            chunk.eval = [a.evaluate.remote(parts[r], self.cfg.eval_with_ema) for r, a in enumerate(group.actors)]
+            chunk.eval = self._evaluation(group, last)
         if self.plan.wants_checkpoint(last):
             chunk.state = self.snapshot(group, last)
         return chunk
@@ -136,6 +170,10 @@ class Pipeline:
                 hooks.draining(new)
             return stop or new
 
+        try:
+            stop = keep_first(self._pay_owed(group, start, hooks))
+        except Failed as failed:
+            return failed.failure
         while next_step < plan.total or inflight:
             stop = keep_first(stop_requested())
             if stop is None:
@@ -181,13 +219,10 @@ class Pipeline:
             ]
             if chunk.eval is not None:
                 try:
-                    records[-1].update(
-                        group.gather(
-                            chunk.eval, Deadline(cfg.step_timeout_s, "step_timeout_s"), "evaluation", heartbeat=True
-                        )[0]
-                    )
+                    records[-1].update(self._evaluated(group, chunk.eval))
                 except Failed as failed:
                     hooks.completed(chunk, records)  # the steps are done: the survivors' state is past them
+                    self.owed = (chunk.last, records[-1], chunk.state is not None)
                     return dataclasses.replace(failed.failure, chunks=tuple(inflight))
             preempted = [r for r, res in enumerate(results) if res["sigterm"]]
             if preempted:

@@ -233,9 +233,10 @@ class Worker(comm.Member):
             history.append(metrics)
         return {"metrics": history, "step": int(self.state.step), "aborted": aborted, "sigterm": self.sigterm}
 
-    def evaluate(self, index: torch.Tensor, with_ema: bool = False) -> dict[str, float] | None:
+    def evaluate(self, index: torch.Tensor, with_ema: bool = False) -> dict[str, Any] | None:
         """Evaluate this rank's share of the eval set (with the EMA parameters when asked and kept);
-        rank 0 returns the global means."""
+        rank 0 returns the global means.  A collective abandoned (a peer failed) returns
+        ``{"aborted": True}``: an infrastructure failure, as in :meth:`run`, never the user's error."""
         ema = optim.ema_params(self.state.opt_state) if with_ema else None
         state = self.state if ema is None else self.state.replace(params=ema)
         totals: dict[str, float] = {}
@@ -244,9 +245,11 @@ class Worker(comm.Member):
                 for k, v in self.eval_step(state, self._to_device(self.eval_source.read(chunk))).items():
                     totals[k] = totals.get(k, 0.0) + v
         names = sorted(self.eval_step_names)  # every rank sends the same sums in the same order, even with no samples
-        summed = self.comm.allreduce_([torch.tensor([totals.get(k, 0.0) for k in names], dtype=torch.float64)])[
-            0
-        ].tolist()
+        sums_here = torch.tensor([totals.get(k, 0.0) for k in names], dtype=torch.float64)
+        try:
+            summed = self.comm.allreduce_([sums_here])[0].tolist()
+        except (CollectiveAborted, library.require().Exception):
+            return {"aborted": True}
         if self.rank != 0:
             return None
         sums = dict(zip(names, summed))
