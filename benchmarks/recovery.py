@@ -52,6 +52,7 @@ Run:
     python benchmarks/recovery.py              # 3 runs of each of 6 scenarios: about 12-15 minutes on 2 cores
     python benchmarks/recovery.py --runs 5
     python benchmarks/recovery.py --runs 7 --only "killed worker (warm)"
+    python benchmarks/recovery.py --runs 5 --only "(warm),Ray Train"   # raympi as it ships against Ray Train
     python benchmarks/recovery.py --quick      # 1 run, raympi killed worker (default path) only, small data (tests)
 """
 
@@ -517,7 +518,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--quick", action="store_true", help="1 run, raympi killed worker (default path) only, small data"
     )
     parser.add_argument(
-        "--only", default="", help="run only the scenarios whose name contains this text, e.g. 'killed worker (warm)'"
+        "--only",
+        default="",
+        help="run only the scenarios whose name contains this text (or one of several, comma-separated), "
+        "e.g. 'killed worker (warm)' or '(warm),Ray Train'",
     )
     args = parser.parse_args(argv)
     runs = 1 if args.quick else max(1, args.runs)
@@ -547,7 +551,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raytrain_note = f"Ray Train not measured: {exc}"
 
     if args.only:
-        scenarios = [(name, run) for name, run in scenarios if args.only in name]
+        wanted = [text.strip() for text in args.only.split(",")]
+        scenarios = [(name, run) for name, run in scenarios if any(text in name for text in wanted)]
         if not scenarios:
             parser.error(f"no scenario name contains {args.only!r}")
 

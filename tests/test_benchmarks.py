@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _quick(script: str, timeout: int) -> subprocess.CompletedProcess:
     """Run ``benchmarks/<script> --quick``; it must exit 0."""
+    return _run(script, ["--quick"], timeout)
+
+
+def _run(script: str, args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<script> <args>``; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -51,6 +56,23 @@ def test_recovery_benchmark_quick():
     )
     assert row, proc.stdout
     assert 0 < float(row.group(1)) < 120
+
+
+def test_standby_experiment_derives_around_a_dead_member():
+    """benchmarks/standby_experiment.py: MPI_Comm_create_group completes with a dead member in the parent
+    communicator, and the first allreduce on the derived communicator sums right."""
+    proc = _run("standby_experiment.py", ["--members", "2", "--rounds", "1"], 240)
+    assert re.search(r"create_group over 2 \(dead rank excluded\): ok", proc.stdout), proc.stdout
+    assert re.search(r"first allreduce on it: ok [0-9.e-]+ sums \[2\.0, 2\.0\]", proc.stdout), proc.stdout
+    assert re.search(r"a new spare joined the standby: ok", proc.stdout), proc.stdout
+
+
+def test_restarts_soak_quick():
+    """benchmarks/restarts_soak.py --quick: two warm restarts in a row, both derived from the standby communicator."""
+    proc = _quick("restarts_soak.py", 300)
+    assert re.search(
+        r"2 workers killed, 2 warm/cold restarts in \d+ s: derived 2, connected 0, cold 0; steps lost 0", proc.stdout
+    ), proc.stdout
 
 
 def test_compare_quick():

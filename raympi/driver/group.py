@@ -91,6 +91,7 @@ class WorkerGroup:
         self.lost: list[Any] = []  # actors killed since the last reform (still in the standby communicator)
         self.standby_broken = False  # a join was cut short: the members may disagree on the standby communicator
         self.reformed_by = ""  # how the last reform made its communicator: "derived" or "connected"
+        self.spare_target, self.next_top_up = 0, 0.0  # hot spares to keep; the next try to start a missing one
         self.spares_used = 0
         self.fresh = True  # no step run yet by a set of processes that all just started (a warm group is not)
         self.refill: list[int] = []  # bundles freed by spares taken in, for new spares once re-formed
@@ -138,6 +139,7 @@ class WorkerGroup:
                 "setting up the workers",
                 startup=True,
             )
+            self.spare_target, self.next_top_up = spares, 0.0
             for _ in range(spares):
                 self._start_spare(None)
         except BaseException:
@@ -219,6 +221,7 @@ class WorkerGroup:
         :meth:`raympi.comm.Member.mpi_join_standby`).
         """
         self._settle_join()
+        self._top_up_spares()
         if self.joining is not None or self.standby_broken or not self.standby:
             return
         for spare in self.spares:
@@ -233,6 +236,19 @@ class WorkerGroup:
                 self.joining = (spare[0], spare[1], spare[2], [spare[0].mpi_join_standby.remote(port, True), *refs])
                 log.info("raympi: a hot spare joins the standby communicator of %d", len(self.standby))
                 return
+
+    def _top_up_spares(self) -> None:
+        """Start a hot spare when fewer than asked for are kept and the cluster has room again (say, once a
+        dead worker's resources are released: a restart found none); at most one try a second."""
+        held = len(self.spares) + len(self.joined) + (self.joining is not None)
+        if held >= self.spare_target or self.pending or time.monotonic() < self.next_top_up:
+            return
+        self.next_top_up = time.monotonic() + 1.0
+        taken = {*self.bundles, *(b for _, b, _ in self.spares), *(b for _, b in self.joined)}
+        if self.joining is not None:
+            taken.add(self.joining[1])
+        free = [i for i in range(len(placement_group_table(self.pg)["bundles"])) if i not in taken]
+        self._start_spare(free[0] if free else None)
 
     def _settle_join(self, wait_s: float = 0.0) -> None:
         """Account for a spare's join once it is over (``wait_s``: at a failure, wait that long, then give up on it).
