@@ -529,11 +529,12 @@ def ray_processes(prefix: str, raylets: set[int]) -> list[Any]:
 
 
 def training_workers(raylets: set[int]) -> list[Any]:
-    """raympi's Worker processes that are training (they used CPU in the last 0.2 s; a hot spare waits idle)."""
+    """raympi's Worker processes that are training (they used a fifth of a core or more in the last 0.2 s;
+    a hot spare waits idle, and one that just joined the standby communicator uses little)."""
     procs = sorted(ray_processes("ray::Worker", raylets), key=lambda p: p.pid)
     before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
     time.sleep(0.2)
-    busy = [p for p in procs if sum(p.cpu_times()[:2]) > before[p.pid] + 0.01]
+    busy = [p for p in procs if sum(p.cpu_times()[:2]) > before[p.pid] + 0.04]
     if not busy:
         raise RuntimeError("found no training raympi worker")
     return busy

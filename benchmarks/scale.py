@@ -92,6 +92,9 @@ class EchoGroup(WorkerGroup):
         self.cpu_s = 0.0  # driver CPU spent in gather
         self.fresh = False  # its processes have run steps before (the warm-up run)
 
+    def join_spares(self) -> None:
+        """No hot spares here: nothing joins the standby communicator."""
+
     def gather(self, *args: Any, **kwargs: Any) -> list[Any]:
         start = time.process_time()
         try:

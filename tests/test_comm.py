@@ -195,6 +195,44 @@ def test_member_dead_before_connecting(ray_session):
     assert _all_dead(ray_session, peers)
 
 
+def test_derive_leaves_a_dead_member_out_and_takes_a_spare_in_without_connecting(ray_session):
+    """The standby communicator: 3 members formed, a spare joins it (one connect round), member 1 is
+    killed; ``derive`` makes the communicator of the survivors and the spare, and its sums are exact."""
+    Peer = _peer_class(ray_session)
+    peers = [Peer.remote() for _ in range(4)]
+    ray_session.get([p.__ray_ready__.remote() for p in peers])
+    try:
+        comm.form(peers[:3], timeout_s=60)
+        port = ray_session.get(peers[3].mpi_open_port.remote())
+        joined = [p.mpi_join_standby.remote(port, False) for p in peers[:3]] + [
+            peers[3].mpi_join_standby.remote(port, True)
+        ]
+        assert ray_session.get(joined, timeout=60) == [0, 1, 2, 3]  # the spare is standby rank 3
+        ray_session.kill(peers[1], no_restart=True)
+        assert _all_dead(ray_session, [peers[1]])
+        with pytest.raises(ConfigError, match="distinct positions"):
+            comm.derive(peers, alive=[0, 2, 3], members=[0, 0], timeout_s=20)
+        members = comm.derive(peers, alive=[0, 2, 3], members=[0, 1, 2], timeout_s=20)
+        assert [(r, s) for r, s, _ in members] == [(0, 3), (1, 3), (2, 3)]
+        group = [peers[0], peers[2], peers[3]]
+        results = ray_session.get([p.reduce.remote(_inputs(r), 1 << 20) for r, p in enumerate(group)])
+        expected = {k: sum(_inputs(r)[k].double().numpy() for r in range(3)) for k in _inputs(0)}
+        for out, _ in results:
+            for key, tensor in out.items():
+                np.testing.assert_array_equal(tensor.double().numpy(), expected[key])
+        # Derived again with the spare left out of training (it stays in the standby communicator).
+        members = comm.derive(group, alive=[0, 1, 2], members=[1, 0], timeout_s=20)
+        assert [(r, s) for r, s, _ in members] == [(0, 2), (1, 2)]
+        results = ray_session.get([p.reduce.remote(_inputs(r), 1 << 20) for r, p in enumerate([peers[2], peers[0]])])
+        expected = {k: sum(_inputs(r)[k].double().numpy() for r in range(2)) for k in _inputs(0)}
+        for out, _ in results:
+            for key, tensor in out.items():
+                np.testing.assert_array_equal(tensor.double().numpy(), expected[key])
+    finally:
+        for p in peers:
+            ray_session.kill(p, no_restart=True)
+
+
 def test_member_that_never_connects_hits_the_deadline(ray_session):
     Peer = _peer_class(ray_session)
     peers = [Peer.remote() for _ in range(3)]
