@@ -409,7 +409,7 @@ class WorkerGroup:
                             self._failure(
                                 FailureKind.HUNG,
                                 f"{what}: rank(s) {stuck} stopped answering "
-                                f"(a ping unanswered for {SILENT_S:g} s while the others replied)",
+                                f"(a ping unanswered for {watch.limit() if watch else SILENT_S:.2g} s while the others replied)",
                                 stuck,
                             )
                         ) from None

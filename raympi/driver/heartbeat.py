@@ -60,16 +60,14 @@ class Heartbeat:
         """Collect the answers, ping again the ranks that answered, and return the silent ones."""
         refs = [ref for ref, _ in self.unanswered.values()]
         done = set(self._ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-        now = self.clock()
-        # How long an answer took is known to within the time since the last look: only when that was
-        # recent does it say something of the ranks (the driver busy elsewhere for a second says nothing).
-        timed = now - self.checked <= 2 * BEAT_S
+        now, before = self.clock(), self.checked
         self.checked = now
         for rank, (ref, sent) in list(self.unanswered.items()):
             if ref in done:  # a dead rank's ping fails: its chunk tells the driver that it died
                 self.answered[rank] = sent
-                if timed:
-                    self.waits.append(now - sent)
+                # It was not answered at the last look: it took at least that long (a lower bound, so the
+                # time between looks, or the driver busy elsewhere, never counts against the ranks).
+                self.waits.append(max(0.0, before - sent))
                 del self.unanswered[rank]
         self._send()
         unanswered = {r: sent for r, (_, sent) in self.unanswered.items()}
