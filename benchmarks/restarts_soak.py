@@ -45,7 +45,7 @@ if __name__ != "__main__":  # imported (by a test, say): Ray's workers cannot im
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 PACE_S = 0.005
-FIELDS = ["part", "step", "kind", "path", "reformed", "recovery_s", "steps_lost", "cause", "found_s"]
+FIELDS = ["part", "step", "kind", "path", "reformed", "recovery_s", "steps_lost", "warm_skipped", "cause", "found_s"]
 
 
 class Paced(nn.Sequential):
