@@ -144,7 +144,7 @@ def main() -> None:
     os.environ.update(env)
     sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else [args.members]
     rounds = 1 if args.sizes else args.rounds
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     trend = []
     for members in sizes:
         rows = experiment(args, members, rounds, env)
