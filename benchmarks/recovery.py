@@ -5,7 +5,9 @@ moment it injects the failure to the first training step completed after it:
 
     raympi, killed worker     one training Worker process SIGKILLed; one local Ray node (4 CPUs:
                               the 2 workers and, at default settings, a hot spare)
-    raympi, stopped worker    the same, SIGSTOPped: a hung rank, found by a ping once its chunk is late
+    raympi, stopped worker    the same, SIGSTOPped: a hung rank, found by the driver's heartbeat
+    raympi, killed worker,    the killed worker, with grad_transport="gloo": the gloo process group
+      gloo gradients          is built again on the new communicator before the first step
     raympi, removed node      ray.cluster_utils.Cluster: a 0-CPU head and three 1-CPU nodes;
                               the node hosting one of the two workers is removed
                               (Cluster.remove_node); the hot spare on the third node takes over
@@ -194,8 +196,9 @@ def has_warm_path() -> bool:
     return hasattr(_recovery_module(), "warm")
 
 
-def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
-    """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the driver."""
+def _raympi_fit(folder: str, n: int, steps: int, path: str, transport: str = "mpi") -> raympi.Result:
+    """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the driver.
+    ``transport``: fit's ``grad_transport`` (a gloo process group is rebuilt on every new communicator)."""
     recovery = _recovery_module()
     saved = getattr(recovery, "warm", None)
     if path == "cold" and saved is not None:
@@ -219,6 +222,7 @@ def _raympi_fit(folder: str, n: int, steps: int, path: str) -> raympi.Result:
             seed=SEED,
             torch_threads=1,
             optimizer=raympi.optim.adam(1e-3),
+            grad_transport=transport,
         )
     finally:
         if path == "cold" and saved is not None:
@@ -280,8 +284,11 @@ def _checkpoint_exists(folder: str) -> Callable[[], bool]:
     )
 
 
-def raympi_killed_worker(n: int, steps: int, path: str, sig: int = signal.SIGKILL) -> dict[str, Any]:
-    """One training worker signalled: SIGKILL (it dies) or SIGSTOP (it hangs; it is SIGCONT'ed by its killing)."""
+def raympi_killed_worker(
+    n: int, steps: int, path: str, sig: int = signal.SIGKILL, transport: str = "mpi"
+) -> dict[str, Any]:
+    """One training worker signalled: SIGKILL (it dies) or SIGSTOP (it hangs; it is SIGCONT'ed by its killing).
+    ``transport``: the gradients' data plane (``grad_transport``)."""
     import ray
 
     folder = tempfile.mkdtemp(prefix="raympi-bench-")
@@ -297,7 +304,7 @@ def raympi_killed_worker(n: int, steps: int, path: str, sig: int = signal.SIGKIL
             return fired
 
         injector = _Injector(_checkpoint_exists(folder), inject)
-        result = _raympi_fit(folder, n, steps, path)
+        result = _raympi_fit(folder, n, steps, path, transport)
         injector.join()
         if injector.time is None:
             raise RuntimeError(injector.error)
@@ -537,6 +544,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         scenarios.append(
             ("raympi stopped worker (warm)", lambda: raympi_killed_worker(n, raympi_steps, "warm", signal.SIGSTOP))
         )
+        scenarios.append(
+            (
+                "raympi killed worker, gloo (warm)",
+                lambda: raympi_killed_worker(n, raympi_steps, "warm", signal.SIGKILL, "gloo"),
+            )
+        )
         for path in paths:
             scenarios.append(
                 (f"raympi removed node ({path})", lambda path=path: raympi_removed_node(n, raympi_steps, path))
@@ -597,7 +610,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     raytrain = median(RAYTRAIN_KILL)
     header = (
-        f"{'scenario':<30} | {'median s':>8} | {'min s':>6} | {'max s':>6} | {'runs':>4} | {'steps lost':>10} | "
+        f"{'scenario':<34} | {'median s':>8} | {'min s':>6} | {'max s':>6} | {'runs':>4} | {'steps lost':>10} | "
         f"{'detect s':>8} | {'reform s':>8} | {'1st step s':>10} | {'spare':>5} | {'Ray Train/raympi':>16}"
     )
     print()
@@ -607,7 +620,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, _ in scenarios:
         values = [r["recovery_s"] for r in results[name] if not r["excluded"]]
         if not values:
-            print(f"{name:<30} | {'failed':>8} |")
+            print(f"{name:<34} | {'failed':>8} |")
             continue
         med = statistics.median(values)
         ratio = raytrain / med if raytrain is not None and name != RAYTRAIN_KILL else None
@@ -616,7 +629,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         spares = [r.get("spare") for r in results[name] if not r["excluded"] and r.get("spare") is not None]
         spare = f"{sum(spares)}/{len(spares)}" if spares else "-"
         print(
-            f"{name:<30} | {med:>8.2f} | {min(values):>6.2f} | {max(values):>6.2f} | {len(values):>4} | {_fmt(lost, 0):>10} | "
+            f"{name:<34} | {med:>8.2f} | {min(values):>6.2f} | {max(values):>6.2f} | {len(values):>4} | {_fmt(lost, 0):>10} | "
             f"{_fmt(split['detect_s']):>8} | {_fmt(split['reform_s']):>8} | {_fmt(split['first_step_s']):>10} | {spare:>5} | "
             f"{(_fmt(ratio, 1) + 'x') if ratio else '-':>16}"
         )
@@ -656,7 +669,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{name}: re-formed by derivation from the standby communicator {how.count('derived')}/{len(how)}")
     if "warm" not in paths:
         for what in ("killed worker", "removed node"):
-            print(f"{'raympi ' + what + ' (warm)':<30} | warm: not implemented (raympi has only the cold path)")
+            print(f"{'raympi ' + what + ' (warm)':<34} | warm: not implemented (raympi has only the cold path)")
     if raytrain is None and not args.quick:
         print("Ray Train: no measurement (see the errors above)")
     for name, _ in scenarios:
