@@ -31,7 +31,8 @@ runs go at a known pace and the failure lands mid-run on any machine.  The failu
 is injected once the checkpoint of step 40 exists (raympi: its folder appears, and the run is
 in its steady state: its hot spare has joined the standby communicator;
 Ray Train: its controller has registered it, which it does lazily, some 20 steps
-later, so Ray Train restores step 40 rather than step 20).
+later, so Ray Train restores step 40 rather than step 20). A raympi run ends 50 steps after the
+step it resumed from (a callback asks it to stop): what is measured is over by then.
 
 raympi: "the first step after" is the first record of ``Result.metrics``
 received after the injection whose step is past the restored one; the table also
@@ -106,6 +107,7 @@ BATCH = 64
 WORKERS = 2
 CHECKPOINT_EVERY = 20
 FAIL_AFTER_CHECKPOINT = 40  # inject the failure once the checkpoint of this step exists
+AFTER_RECOVERY = 50  # raympi runs end this many steps past the step a recovery resumed from
 SEED = 0
 
 RAYTRAIN_KILL = "Ray Train killed worker"
@@ -196,6 +198,21 @@ def has_warm_path() -> bool:
     return hasattr(_recovery_module(), "warm")
 
 
+class _StopAfterRecovery:
+    """A fit callback that ends the run AFTER_RECOVERY steps past a recovery: what is measured is over by
+    then, and a run that went on would only take time (after a removed node, minutes: see the README)."""
+
+    def __init__(self) -> None:
+        self.resumed_at: Optional[int] = None
+
+    def on_restart(self, record: dict[str, Any]) -> None:
+        if record["kind"] not in PLANNED_KINDS and self.resumed_at is None:
+            self.resumed_at = record["restored_step"]
+
+    def on_step(self, record: dict[str, Any]) -> bool:
+        return self.resumed_at is not None and record["step"] >= self.resumed_at + AFTER_RECOVERY
+
+
 def _raympi_fit(folder: str, n: int, steps: int, path: str, transport: str = "mpi") -> raympi.Result:
     """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the driver.
     ``transport``: fit's ``grad_transport`` (a gloo process group is rebuilt on every new communicator)."""
@@ -223,6 +240,7 @@ def _raympi_fit(folder: str, n: int, steps: int, path: str, transport: str = "mp
             torch_threads=1,
             optimizer=raympi.optim.adam(1e-3),
             grad_transport=transport,
+            callbacks=[_StopAfterRecovery()],
         )
     finally:
         if path == "cold" and saved is not None:

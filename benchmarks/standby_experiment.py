@@ -173,7 +173,7 @@ def experiment(args: argparse.Namespace, n: int, rounds: int, env: dict[str, str
     Actor = ray.remote(num_cpus=0.01, max_restarts=0)(Peer)
     actors = [Actor.remote(env) for _ in range(n + 1)]
     started = time.perf_counter()
-    comm.form(actors, timeout_s=60)
+    comm.form(actors, timeout_s=max(60.0, 6.0 * n))  # one connect round per member: 39 s for 32 on 2 cores
     print(f"standby formed: {time.perf_counter() - started:.3f} s")
     ray.get([a.adopt_standby.remote() for a in actors])
     pids = ray.get([a.pid.remote() for a in actors])
@@ -236,7 +236,7 @@ def experiment(args: argparse.Namespace, n: int, rounds: int, env: dict[str, str
         # The connect path of today, for comparison: a new communicator of the same members.
         started = time.perf_counter()
         try:
-            comm.form([actors[r] for r in members], timeout_s=args.timeout)
+            comm.form([actors[r] for r in members], timeout_s=max(args.timeout, 3.0 * n))
             rows.setdefault("reform (connect)", []).append(time.perf_counter() - started)
             print(f"  raympi.comm.form over the same {len(members)}: {time.perf_counter() - started:.3f} s")
         except Exception as exc:  # noqa: BLE001

@@ -288,6 +288,23 @@ def test_a_hot_spare_takes_a_killed_workers_place(cluster, uninterrupted, tmp_pa
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
 
 
+def test_a_worker_killed_while_a_spare_joins_is_recovered(cluster, uninterrupted, tmp_path):
+    """A worker killed the moment a hot spare starts joining the standby communicator (the join is cut
+    short, its members part-way through or not started): the run recovers, loses nothing, and ends on
+    the uninterrupted run's parameters; the spare of the cut join is not left running."""
+    folder = tmp_path / "ck"
+    handler = _when_logged("joins the standby communicator", lambda: _signal_one_worker(signal.SIGKILL))
+    try:
+        result = raympi.fit(_net(0.06), _data(), workers=2, checkpoint_dir=str(folder), **OPTIONS)
+    finally:
+        logging.getLogger("raympi").removeHandler(handler)
+    assert handler.fired
+    failures = [r for r in result.restarts if r["kind"] == "worker_lost"]
+    assert len(failures) == 1 and failures[0]["steps_lost"] == 0, result.restarts
+    assert result.restarts[-1]["world_after"] == 2, result.restarts
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
 def test_a_worker_dying_in_evaluation_is_recovered_and_the_evaluation_done_again(cluster, uninterrupted, tmp_path):
     """Evaluation is a step like the others: the first rank to evaluate dies there (SIGKILL from inside
     its metric); the survivor's abandoned sum is an infrastructure failure, not the user's error, and
