@@ -364,6 +364,32 @@ def test_a_worker_outliving_its_raylet_exits(cluster, uninterrupted, tmp_path):
     assert result.restarts == [] and _max_diff(result.state, uninterrupted.state) < 1e-4, result.restarts
 
 
+def test_a_rank_slowed_down_many_times_over_is_not_taken_for_a_hung_one(cluster, tmp_path):
+    """Every step suddenly 50x slower (a machine loaded many times over): the chunk in flight, sized for
+    the old pace, runs far past ``step_timeout_s``, but the ranks still finish steps, which their pings
+    report, so the driver waits on them: no restart."""
+
+    class Slowing(nn.Sequential):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            time.sleep(0.005 if self.calls <= 60 else 0.25)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    options = {**OPTIONS, "epochs": 2, "step_timeout_s": 1.5, "checkpoint_every": 0}
+    result = raympi.fit(
+        Slowing(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2)),
+        _data(),
+        workers=2,
+        max_steps=90,
+        checkpoint_dir=str(tmp_path / "ck"),
+        **options,
+    )
+    assert result.restarts == [], result.restarts
+    assert [m["step"] for m in result.metrics] == list(range(1, 91))
+    assert result.metrics[-1]["samples_per_s"] < 32 / 0.2  # the slowdown did happen
+
+
 def test_user_exception_fails_fast_without_restart(cluster, tmp_path):
     class Picky(nn.Module):
         def __init__(self):

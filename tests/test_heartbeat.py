@@ -42,18 +42,31 @@ class _Ping:
 class _Actor:
     def __init__(self, name: str) -> None:
         self.name, self.sent = name, 0
+        self.steps = 0  # what its pings report: the count of work done
         self.ping = _Ping(self)
 
 
 class _Ray:
-    """``ray.wait`` over the fake pings: those named in ``answered`` are done."""
+    """``ray.wait`` over the fake pings: those named in ``answered`` are done; ``ray.get`` of one is the
+    count its actor had done when the test answered it."""
+
+    class exceptions:
+        RayError = RuntimeError
 
     def __init__(self) -> None:
-        self.answered: set[str] = set()
+        self.answered: dict[str, int] = {}
+
+    def answer(self, refs, actors) -> None:
+        by_name = {a.name: a for a in actors}
+        for ref in refs:
+            self.answered.setdefault(ref, by_name[ref.rsplit("-", 1)[0]].steps)
 
     def wait(self, refs, num_returns, timeout):
         done = [r for r in refs if r in self.answered]
         return done, [r for r in refs if r not in self.answered]
+
+    def get(self, ref):
+        return self.answered[ref]
 
 
 def _watch(n: int):
@@ -69,7 +82,7 @@ def _beat(watch, fake, now, answering, until: float):
     """Call ``silent`` every BEAT_S until ``until``, the ranks ``answering`` answering every ping at once."""
     found = []
     while now[0] < until:
-        fake.answered.update(watch.unanswered[r][0] for r in answering if r in watch.unanswered)
+        fake.answer([watch.unanswered[r][0] for r in answering if r in watch.unanswered], watch.actors)
         now[0] += BEAT_S
         found = watch.silent()
         if found:
@@ -92,7 +105,7 @@ def test_the_limit_grows_on_a_machine_that_answers_slowly():
     for _ in range(3):  # every answer comes between the second and the third look (0.15-0.3 s)
         now[0] += BEAT_S
         watch.silent()
-        fake.answered.update(ref for ref, _ in watch.unanswered.values())
+        fake.answer([ref for ref, _ in watch.unanswered.values()], actors)
         now[0] += BEAT_S
         watch.silent()
     assert watch.limit() >= SLOW_FACTOR * BEAT_S - 1e-9  # at least the time between two looks, each time
@@ -101,7 +114,7 @@ def test_the_limit_grows_on_a_machine_that_answers_slowly():
 def test_answers_seen_at_the_next_look_do_not_raise_the_limit():
     watch, actors, fake, now = _watch(2)
     for _ in range(5):  # every ping answered before the next look
-        fake.answered.update(ref for ref, _ in watch.unanswered.values())
+        fake.answer([ref for ref, _ in watch.unanswered.values()], actors)
         now[0] += BEAT_S
         watch.silent()
     assert watch.limit() == SILENT_S
@@ -109,7 +122,25 @@ def test_answers_seen_at_the_next_look_do_not_raise_the_limit():
 
 def test_a_driver_busy_elsewhere_does_not_raise_the_limit():
     watch, actors, fake, now = _watch(2)
-    fake.answered.update(ref for ref, _ in watch.unanswered.values())
+    fake.answer([ref for ref, _ in watch.unanswered.values()], actors)
     now[0] += 3.0  # the driver wrote a checkpoint meanwhile: the answers came long ago, unseen
     watch.silent()
     assert watch.limit() == SILENT_S
+
+
+def test_progress_is_when_every_rank_last_moved_on():
+    """Each answer carries the rank's count of steps done: ``last_progress`` is when the slowest of the
+    ranks asked about was last seen to move on (what ``step_timeout_s`` counts from)."""
+    watch, actors, fake, now = _watch(2)
+    _beat(watch, fake, now, answering=[0, 1], until=1.0)
+    assert watch.last_progress([0, 1]) == float("-inf")  # nobody has moved on yet: no progress to count from
+    actors[0].steps = actors[1].steps = 1
+    moved = now[0]
+    _beat(watch, fake, now, answering=[0, 1], until=moved + 0.5)
+    assert moved <= watch.last_progress([0, 1]) <= moved + BEAT_S + 1e-9
+    actors[0].steps = 2  # rank 0 goes on; rank 1 is stuck (alive: it answers, its count stays put)
+    later = now[0]
+    _beat(watch, fake, now, answering=[0, 1], until=later + 5.0)
+    assert watch.last_progress([0]) >= later
+    assert watch.last_progress([0, 1]) < later  # the stuck rank holds it back, however long it answers
+    assert watch.silent() == []  # it answers: stuck is for step_timeout_s to judge, not the heartbeat

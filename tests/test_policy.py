@@ -151,6 +151,14 @@ def test_budget_spent_raises_restarts_exhausted():
     )
 
 
+def test_budget_spent_before_any_checkpoint_says_there_is_none():
+    decision = decide(
+        Failure(K.HUNG, "rank 1 hung", ranks=(1,)), RunState(failures=2), _cfg(max_restarts=2), Capacity(3, 3)
+    )
+    assert isinstance(decision, Raise) and "No checkpoint was written" in str(decision.error)
+    assert "None" not in str(decision.error)
+
+
 def test_driver_sigterm_raises_preempted_with_the_checkpoint():
     decision = decide(Failure(K.DRIVER_SIGTERM, "stopped by SIGTERM"), RUN, _cfg(), Capacity(3, 3))
     assert isinstance(decision, Raise) and isinstance(decision.error, PreemptedError)

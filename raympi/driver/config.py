@@ -121,7 +121,8 @@ class FitConfig(BaseModel):
     step_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="the longest a rank may go without finishing a chunk of steps (about 0.5 s of work): a hung rank is noticed after this",
+        description="the longest the ranks the driver waits on may go without finishing a step (or an evaluation batch): "
+        "a collective hung with every rank alive is noticed after this; a stopped or cut-off rank much sooner, by the heartbeat",
     )
     bucket_bytes: int = Field(16 * 2**20, ge=1024, description="bytes per MPI_Allreduce bucket")
     compression: Optional[Literal["bf16", "fp16"]] = Field(

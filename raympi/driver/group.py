@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import time
 from typing import Any, Callable, Sequence
@@ -402,7 +403,12 @@ class WorkerGroup:
                         self._check(ref, rank_of[ref], what, first_call=first_call)
                 except Expired as expired:
                     if deadline.expired():
-                        raise Expired(deadline, expired.pending) from None
+                        # The hard limit counts from the last work every waited-on rank finished: one that
+                        # still finishes steps is slow (a loaded machine), not hung.
+                        since = watch.last_progress([rank_of[r] for r in pending]) if watch else -math.inf
+                        if since + deadline.seconds <= time.monotonic():
+                            raise Expired(deadline, expired.pending) from None
+                        deadline = Deadline(deadline.seconds, deadline.field, start=since)
                     stuck = watch.silent() if watch is not None else []
                     if stuck:  # the others answered later pings: hung, not merely slow
                         raise Failed(

@@ -6,11 +6,17 @@ chunk's pace.  :func:`silent_ranks` is the judgement, pure and tested alone; :cl
 the pings.  No false alarms under load: a rank is judged only against others (when every rank is
 late, the driver itself or the whole machine is starved, and nobody is blamed), and the limit grows
 with the slowest answers seen lately (a loaded machine answers late, a stopped rank never does).
+
+Each answer is also the rank's count of work done (steps, evaluation batches): :meth:`Heartbeat.last_progress`
+tells the driver when every rank it waits on last moved on, so ``step_timeout_s`` counts from the last
+step finished rather than from the start of a chunk, and a rank that is only slow (a machine loaded many
+times over) is never taken for a hung one.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -44,6 +50,8 @@ class Heartbeat:
         self.answered: dict[int, float] = {}  # rank -> when its newest answered ping was sent
         self.waits: collections.deque[float] = collections.deque(maxlen=RECENT)  # how long answers took
         self.checked = clock()  # the last look at the answers
+        self.progress: dict[int, int] = {}  # rank -> the count of work done its newest answer reported
+        self.advanced: dict[int, float] = {}  # rank -> when the ping that first reported that count was sent
         self._send()
 
     def _send(self) -> None:
@@ -65,6 +73,7 @@ class Heartbeat:
         for rank, (ref, sent) in list(self.unanswered.items()):
             if ref in done:  # a dead rank's ping fails: its chunk tells the driver that it died
                 self.answered[rank] = sent
+                self._count(rank, ref, sent)
                 # It was not answered at the last look: it took at least that long (a lower bound, so the
                 # time between looks, or the driver busy elsewhere, never counts against the ranks).
                 self.waits.append(max(0.0, before - sent))
@@ -72,3 +81,17 @@ class Heartbeat:
         self._send()
         unanswered = {r: sent for r, (_, sent) in self.unanswered.items()}
         return silent_ranks(unanswered, self.answered, now, self.limit())
+
+    def _count(self, rank: int, ref: Any, sent: float) -> None:
+        try:
+            count = self._ray.get(ref)
+        except self._ray.exceptions.RayError:  # the rank died: its chunk says so
+            return
+        if rank in self.progress and count != self.progress[rank]:
+            self.advanced[rank] = sent  # the count moved after the previous answer, at the latest by this ping
+        self.progress[rank] = count
+
+    def last_progress(self, ranks: Sequence[int]) -> float:
+        """When every one of ``ranks`` had last been seen to finish work (the oldest of them), on the
+        heartbeat's clock; ``-inf`` while one of them has not been seen to move on yet."""
+        return min((self.advanced.get(r, -math.inf) for r in ranks), default=-math.inf)

@@ -180,6 +180,13 @@ class Raise:
 Decision = Union[Warm, Cold, Grow, Finish, Raise]
 
 
+def resume_hint(run: RunState) -> str:
+    """How to go on after a run that gave up: from its newest checkpoint, when it has one."""
+    if run.newest is None:
+        return "No checkpoint was written before it (checkpoint_every=N keeps one every N steps)"
+    return f"The newest checkpoint is {run.newest.path}: fit(..., resume=True) continues from it"
+
+
 def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capacity) -> Decision:
     """What to do about ``failure``.
 
@@ -225,11 +232,10 @@ def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capac
     if kind.planned:  # PREEMPTED without survivors, CAPACITY_BACK, DEGRADED (DRIVER_SIGTERM was handled above)
         return Cold(planned=True)
     if run.failures >= config.max_restarts:
-        newest = run.newest.path if run.newest else None
         return Raise(
             RestartsExhaustedError(
                 f"training failed {run.failures + 1} times, more than max_restarts={config.max_restarts}; last failure: "
-                f"{failure.cause}. The newest checkpoint is {newest}: fit(..., resume=True) continues from it"
+                f"{failure.cause}. {resume_hint(run)}"
             )
         )
     return Warm(survivors=survivors, failed=failed) if warm else Cold()

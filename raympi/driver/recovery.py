@@ -18,7 +18,7 @@ import ray
 
 from raympi.deadline import Deadline, Expired
 from raympi.driver.group import LOST, WorkerGroup
-from raympi.driver.policy import Failed, Failure, FailureKind, Warm
+from raympi.driver.policy import Failed, Failure, FailureKind, Warm, resume_hint
 from raympi.driver.run_state import History, Phase, RestartRecord, RunState
 from raympi.exceptions import CapacityError, FormationError
 
@@ -203,10 +203,8 @@ def cold(
         if world < cfg.min_workers
         else f"re-forming {world} worker(s) kept failing (last: {last_error})"
     )
-    newest = run.newest.path if run.newest else None
     raise NoCapacity(
-        f"after the failure {why}, and no way forward was found within {deadline.setting}. "
-        f"The newest checkpoint is {newest}: fit(..., resume=True) continues from it"
+        f"after the failure {why}, and no way forward was found within {deadline.setting}. {resume_hint(run)}"
     )
 
 

@@ -109,6 +109,7 @@ class Worker(comm.Member):
         self.step_options = spec.step_options
         self.transport = (spec.grad_transport, spec.fp32_reduce, spec.transport_timeout_s)
         self.grad_sync: Any = None  # the step's cross-rank sum, rebuilt for every new communicator
+        self.progress = 0  # steps and evaluation batches done: what ping reports, so slow is told from hung
         # Before MPI starts: a Dataset's loader forks its reading processes here.
         self.source: Any = _source(spec.train, spec.train_kind, spec) if spec.train_kind != "stream" else None
         self.eval_source: Any = (
@@ -228,6 +229,7 @@ class Worker(comm.Member):
                 aborted = True
                 self.source.drop()
                 break
+            self.progress += 1
             if self.logs_hyperparams:
                 metrics.update(optim.current_hyperparams(self.state.opt_state))
             history.append(metrics)
@@ -244,6 +246,7 @@ class Worker(comm.Member):
             if len(chunk):
                 for k, v in self.eval_step(state, self._to_device(self.eval_source.read(chunk))).items():
                     totals[k] = totals.get(k, 0.0) + v
+                self.progress += 1
         names = sorted(self.eval_step_names)  # every rank sends the same sums in the same order, even with no samples
         sums_here = torch.tensor([totals.get(k, 0.0) for k in names], dtype=torch.float64)
         try:
@@ -267,8 +270,10 @@ class Worker(comm.Member):
 
     @ray.method(concurrency_group="health")
     def ping(self) -> int:
-        """Answered from its own thread even while a step blocks in MPI: silence means a hung process."""
-        return os.getpid()
+        """Answered from its own thread even while a step blocks in MPI: silence means a hung process.
+        Returns the steps and evaluation batches done so far: a rank that answers but whose count stays
+        put is stuck (in a collective, say); one whose count moves is only slow."""
+        return self.progress
 
     @ray.method(concurrency_group="health")
     def snapshot(self) -> dict[str, Any]:
