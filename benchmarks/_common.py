@@ -528,16 +528,19 @@ def ray_processes(prefix: str, raylets: set[int]) -> list[Any]:
     return found
 
 
-def training_workers(raylets: set[int]) -> list[Any]:
-    """raympi's Worker processes that are training (they used a fifth of a core or more in the last 0.2 s;
-    a hot spare waits idle, and one that just joined the standby communicator uses little)."""
-    procs = sorted(ray_processes("ray::Worker", raylets), key=lambda p: p.pid)
-    before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
-    time.sleep(0.2)
-    busy = [p for p in procs if sum(p.cpu_times()[:2]) > before[p.pid] + 0.04]
-    if not busy:
+def training_workers(raylets: set[int], watch_s: float = 0.3) -> list[Any]:
+    """raympi's Worker processes that are training: seen running ``Worker.run`` (Ray titles a process
+    ``ray::Worker.run`` while it runs that task) within ``watch_s``, or until one is seen (at most 10 s,
+    a starved machine). A hot spare idles or joins the standby communicator; CPU use cannot tell them
+    apart on a machine loaded many times over, where the ranks get little of a core."""
+    seen: dict[int, Any] = {}
+    started = time.monotonic()
+    while time.monotonic() - started < watch_s or (not seen and time.monotonic() - started < 10.0):
+        seen.update((p.pid, p) for p in ray_processes("ray::Worker.run", raylets))
+        time.sleep(0.01)
+    if not seen:
         raise RuntimeError("found no training raympi worker")
-    return busy
+    return [p for _, p in sorted(seen.items()) if p.is_running()]
 
 
 class SpareJoins(logging.Handler):

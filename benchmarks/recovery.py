@@ -316,7 +316,7 @@ def raympi_killed_worker(
         raylets = own_raylets()
 
         def inject() -> float:
-            victim = training_workers(raylets)[-1]  # watches CPU use for 0.2 s: not part of the recovery
+            victim = training_workers(raylets)[-1]  # watches for 0.3 s: not part of the recovery
             fired = time.time()
             os.kill(victim.pid, sig)
             return fired

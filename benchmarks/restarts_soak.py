@@ -96,15 +96,17 @@ def _kill_each_time_a_spare_joins(
     joins, done = spare_joins(), threading.Event()
 
     def run() -> None:
-        while len(fired) < kills:
-            if not joins.event.wait(timeout=anyway_s or 120) and anyway_s is None:
-                break
-            joins.clear()
-            time.sleep(0.3)  # a few steps on the full group first
-            victim = training_workers(raylets)[-1]
-            fired.append(time.time())
-            os.kill(victim.pid, sig)
-        done.set()
+        try:
+            while len(fired) < kills:
+                if not joins.event.wait(timeout=anyway_s or 120) and anyway_s is None:
+                    break
+                joins.clear()
+                time.sleep(0.3)  # a few steps on the full group first
+                victim = training_workers(raylets)[-1]
+                fired.append(time.time())
+                os.kill(victim.pid, sig)
+        finally:
+            done.set()  # the run stops, whatever became of the kills
 
     threading.Thread(target=run, daemon=True).start()
     return done
@@ -158,6 +160,9 @@ def part_load(load: float, minutes: float) -> tuple[list[dict[str, Any]], str]:
             result = _fit(10**7, folder, callbacks=[StopAfter(minutes * 60)])
         alarms = [r for r in result.restarts if r["kind"] in ("hung", "worker_lost", "collective")]
         steps = result.metrics[-1]["step"]
+        print(
+            f"{len(hogs)} busy processes: {len(alarms)} false alarm(s) in {minutes:g} min ({steps} steps)", flush=True
+        )
         fired: list[float] = []
         with tempfile.TemporaryDirectory() as folder:
             # A loaded machine may take minutes to start a spare: the stop comes after 60 s all the same.
