@@ -528,14 +528,15 @@ def ray_processes(prefix: str, raylets: set[int]) -> list[Any]:
     return found
 
 
-def training_workers(raylets: set[int], watch_s: float = 0.3) -> list[Any]:
+def training_workers(raylets: set[int], watch_s: float = 0.3, patience_s: float = 10.0) -> list[Any]:
     """raympi's Worker processes that are training: seen running ``Worker.run`` (Ray titles a process
-    ``ray::Worker.run`` while it runs that task) within ``watch_s``, or until one is seen (at most 10 s,
-    a starved machine). A hot spare idles or joins the standby communicator; CPU use cannot tell them
-    apart on a machine loaded many times over, where the ranks get little of a core."""
+    ``ray::Worker.run`` while it runs that task) within ``watch_s``, or until one is seen (at most
+    ``patience_s``: a starved machine may take minutes to start its workers). A hot spare idles or joins
+    the standby communicator; CPU use cannot tell them apart on a machine loaded many times over, where
+    the ranks get little of a core."""
     seen: dict[int, Any] = {}
     started = time.monotonic()
-    while time.monotonic() - started < watch_s or (not seen and time.monotonic() - started < 10.0):
+    while time.monotonic() - started < watch_s or (not seen and time.monotonic() - started < patience_s):
         seen.update((p.pid, p) for p in ray_processes("ray::Worker.run", raylets))
         time.sleep(0.01)
     if not seen:

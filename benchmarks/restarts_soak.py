@@ -12,7 +12,7 @@ time until the driver found it (the restart record's ``detect_s`` plus what prec
 
 Run:
     python benchmarks/restarts_soak.py --kills 100                 # about 8 minutes on 2 cores
-    python benchmarks/restarts_soak.py --load 1.5 --minutes 10     # 3 busy loops on 2 cores
+    python benchmarks/restarts_soak.py --load 1.5 --minutes 10     # 3 busy loops on 2 cores (nice 0: --nice)
     python benchmarks/restarts_soak.py --quick                     # 2 kills (tests)
 """
 
@@ -89,20 +89,28 @@ def _fit(steps: int, folder: str, **options: Any) -> raympi.Result:
 
 
 def _kill_each_time_a_spare_joins(
-    kills: int, raylets: set[int], sig: int, fired: list[float], anyway_s: float | None = None
+    kills: int,
+    raylets: set[int],
+    sig: int,
+    fired: list[float],
+    anyway_s: float | None = None,
+    steady: threading.Event | None = None,
 ) -> threading.Event:
     """A thread that signals one training worker each time a spare joined, ``kills`` times (``anyway_s``:
-    after that long without a spare, signal one all the same); the event is set when done."""
+    after that long without a spare, signal one all the same; ``steady``: not before this event is set,
+    the run past its start); the returned event is set when done."""
     joins, done = spare_joins(), threading.Event()
 
     def run() -> None:
         try:
+            if steady is not None:
+                steady.wait(timeout=1800)
             while len(fired) < kills:
                 if not joins.event.wait(timeout=anyway_s or 120) and anyway_s is None:
                     break
                 joins.clear()
                 time.sleep(0.3)  # a few steps on the full group first
-                victim = training_workers(raylets)[-1]
+                victim = training_workers(raylets, patience_s=600.0 if anyway_s else 10.0)[-1]
                 fired.append(time.time())
                 os.kill(victim.pid, sig)
         finally:
@@ -143,15 +151,16 @@ def part_kills(kills: int) -> tuple[list[dict[str, Any]], str]:
     return rows, table
 
 
-def _busy(stop: Any) -> None:
+def _busy(stop: Any, nice: int) -> None:
+    os.nice(nice)
     while not stop.is_set():
         sum(range(10000))
 
 
-def part_load(load: float, minutes: float) -> tuple[list[dict[str, Any]], str]:
+def part_load(load: float, minutes: float, nice: int) -> tuple[list[dict[str, Any]], str]:
     cores = len(os.sched_getaffinity(0))
     stop = multiprocessing.Event()
-    hogs = [multiprocessing.Process(target=_busy, args=(stop,), daemon=True) for _ in range(round(load * cores))]
+    hogs = [multiprocessing.Process(target=_busy, args=(stop, nice), daemon=True) for _ in range(round(load * cores))]
     for h in hogs:
         h.start()
     try:
@@ -165,11 +174,15 @@ def part_load(load: float, minutes: float) -> tuple[list[dict[str, Any]], str]:
         )
         fired: list[float] = []
         with tempfile.TemporaryDirectory() as folder:
-            # A loaded machine may take minutes to start a spare: the stop comes after 60 s all the same.
-            done = _kill_each_time_a_spare_joins(1, own_raylets(), signal.SIGSTOP, fired, anyway_s=60)
+            # A loaded machine may take minutes to start the workers and a spare: the stop comes once the run
+            # is past its first 50 steps, and a spare has joined or 60 s went by.
+            steady = threading.Event()
+            done = _kill_each_time_a_spare_joins(1, own_raylets(), signal.SIGSTOP, fired, anyway_s=60, steady=steady)
 
             class StopSoonAfter(raympi.callbacks.Callback):
                 def on_step(self, record: dict[str, Any]) -> bool:
+                    if record["step"] >= 50:
+                        steady.set()
                     return done.is_set() and (not fired or time.time() > fired[0] + 10)
 
             stopped = _fit(10**7, folder, callbacks=[StopSoonAfter()])
@@ -185,7 +198,7 @@ def part_load(load: float, minutes: float) -> tuple[list[dict[str, Any]], str]:
     rows = [{"part": "load", "kind": r["kind"], "step": r["step"], "cause": r["cause"]} for r in alarms]
     rows.append({"part": "load", "kind": "sigstop", "found_s": found_s})
     table = (
-        f"{len(hogs)} busy processes on {cores} cores, {minutes:g} min of training ({steps} steps): "
+        f"{len(hogs)} busy processes (nice {nice}) on {cores} cores, {minutes:g} min of training ({steps} steps): "
         f"{len(alarms)} restart(s) without a failure"
         + "".join(f"\n  false alarm at step {r['step']}: {r['cause']}" for r in alarms)
         + (
@@ -202,6 +215,13 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=0, help="warm restarts in a row")
     parser.add_argument("--load", type=float, default=0.0, help="busy-loop processes per core")
     parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="the busy loops' niceness: 0 (other jobs' default) starves Ray's workers, which run at nice 15; "
+        "15 shares the cores evenly with them",
+    )
     parser.add_argument("--quick", action="store_true", help="2 kills, no load part (tests)")
     args = parser.parse_args()
     if args.quick:
@@ -214,7 +234,7 @@ def main() -> None:
         rows += part
         tables.append(table)
     if args.load:
-        part, table = part_load(args.load, args.minutes)
+        part, table = part_load(args.load, args.minutes, args.nice)
         rows += part
         tables.append(table)
     rows = [{f: row.get(f) for f in FIELDS} for row in rows]

@@ -190,11 +190,10 @@ class Pipeline:
             first = chunk.first == start and group.fresh
             field = "startup_timeout_s" if first else "step_timeout_s"
             deadline = Deadline(getattr(cfg, field), field, start=max(last_done, time.monotonic()))
-            # A rank stopped or cut off is found by the heartbeat long before step_timeout_s, the hard limit.
+            # A rank stopped or cut off is found by the heartbeat long before the hard limit, the first
+            # chunk's included (its health thread answers while the step warms up).
             try:
-                results = group.gather(
-                    chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}", heartbeat=not first
-                )
+                results = group.gather(chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}", heartbeat=True)
             except Failed as failed:
                 return dataclasses.replace(failed.failure, chunks=(chunk, *inflight))
             aborted = [r for r, res in enumerate(results) if res["aborted"]]
