@@ -81,7 +81,7 @@ def test_a_cold_restart_goes_back_to_the_checkpoint_and_logs_the_redone_steps_ag
 
 def test_no_capacity_after_a_failure_is_the_policys_capacity_error(tmp_path):
     plan = ChunkPlan(total=20, steps_per_epoch=10, checkpoint_every=10)
-    capacity = iter([3] + [1] * 1000)  # room at the start, one worker's worth after the failure
+    capacity = iter([1] * 1000)  # one worker's worth after the failure (the start asks none)
     pipeline = ScriptedPipeline(plan, failures={12: Failure(FailureKind.WORKER_LOST, "node lost", ranks=(1, 2))})
     controller, store = _controller(tmp_path, pipeline, capacity=lambda bundle: next(capacity))
     with pytest.raises(CapacityError, match="can host 1 worker.*fewer than min_workers=2"):
@@ -151,7 +151,7 @@ def test_a_warm_restart_keeps_the_steps_the_survivors_finished_marked_as_reconst
     chunk = Chunk(14, 18, refs=[survivor, LOST, survivor])  # the fake group's refs are the results
     failure = Failure(FailureKind.WORKER_LOST, "rank 1 died", ranks=(1,), chunks=(chunk,))
     pipeline = ScriptedPipeline(plan, chunk=4, failures={14: failure})  # chunks end at 4, 8, 10, 14
-    capacity = iter([3] + [2] * 1000)  # rank 1's node is gone with it: no room to grow back
+    capacity = iter([2] * 1000)  # rank 1's node is gone with it: no room to grow back
     controller, store = _controller(tmp_path, pipeline, capacity=lambda bundle: next(capacity))
     made = len(FakeGroup.made)
     run = controller.fit()

@@ -184,6 +184,7 @@ class WorkerGroup:
             ray.kill(self.actors[r], no_restart=True)
             self.lost.append(self.actors[r])
         self._settle_join(wait_s=0.2)
+        self._drop_dead_spares()  # a spare taken in must be alive: one on a lost node may not be known dead yet
         alive, ready = [], []
         for spare in self.spares:
             done = bool(ray.wait([spare[2]], timeout=0)[0])
@@ -243,6 +244,8 @@ class WorkerGroup:
         dead worker's resources are released: a restart found none); at most one try a second."""
         held = len(self.spares) + len(self.joined) + (self.joining is not None)
         if held >= self.spare_target or self.pending or time.monotonic() < self.next_top_up:
+            return
+        if self.world < self.cfg.workers:  # the group grows back first: a spare must not take its room
             return
         self.next_top_up = time.monotonic() + 1.0
         taken = {*self.bundles, *(b for _, b, _ in self.spares), *(b for _, b in self.joined)}
@@ -312,14 +315,7 @@ class WorkerGroup:
         timeout_s = max(1.0, min(deadline.remaining(), max(REFORM_MIN_S, 4 * self.form_s)))
         options = {"timeout_s": timeout_s, "bucket_bytes": self.cfg.bucket_bytes, "compression": self.cfg.compression}
         if not ready and not self.standby_broken:
-            # A spare that died idle (its node lost, say) is still in the standby communicator: leave it out.
-            pings = [(a, a.ping.remote()) for a, _ in self.joined]
-            answered, _ = ray.wait([p for _, p in pings], num_returns=len(pings), timeout=SPARE_PING_S)
-            for spare, ping in pings:
-                if ping not in answered or not succeeded(ping):
-                    ray.kill(spare, no_restart=True)
-                    self.lost.append(spare)
-                    self.joined = [j for j in self.joined if j[0] is not spare]
+            self._drop_dead_spares()
             alive = [i for i, a in enumerate(self.standby) if not any(a is d for d in self.lost)]
             standby = [self.standby[i] for i in alive]
             members = [next(i for i, s in enumerate(standby) if s is a) for a in actors]
@@ -343,6 +339,19 @@ class WorkerGroup:
             if cluster_capacity(self.bundle) > self.world + len(self.spares) + len(self.joined):
                 self._start_spare(bundle_index)
         self.refill = []
+
+    def _drop_dead_spares(self) -> None:
+        """Ping the hot spares inside the standby communicator; one that died idle (its node lost, say) is
+        killed and left out: it stays in the standby communicator only until the next derivation."""
+        if not self.joined:
+            return
+        pings = [(a, a.ping.remote()) for a, _ in self.joined]
+        answered, _ = ray.wait([p for _, p in pings], num_returns=len(pings), timeout=SPARE_PING_S)
+        for spare, ping in pings:
+            if ping not in answered or not succeeded(ping):
+                ray.kill(spare, no_restart=True)
+                self.lost.append(spare)
+                self.joined = [j for j in self.joined if j[0] is not spare]
 
     def _place(self, deadline: Deadline) -> list[int]:
         """Reserve a bundle per rank: a placement group of our own, or the Tune trial's; returns each rank's bundle."""
