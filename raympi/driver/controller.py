@@ -147,16 +147,16 @@ class Controller:
             self.ray_dataset,
             place_timeout_s=place_timeout_s,
             announce=self.announce,
-            spares=self._spares(),
+            spares=self._spares(world),
         )
 
-    def _spares(self) -> int:
-        """Hot spares to keep: as configured, else one (none for Ray Data).  A spare starts only where the
-        cluster has room beyond the workers, now or later (a restart that found none tops it up once the
-        dead workers' resources are released or a node comes back)."""
+    def _spares(self, world: int) -> int:
+        """Hot spares: as configured, else one when the cluster has room beyond the workers (none for Ray Data)."""
         if self.ray_dataset is not None:
             return 0
-        return 1 if self.cfg.spares is None else self.cfg.spares
+        if self.cfg.spares is not None:
+            return self.cfg.spares
+        return 1 if self.capacity(self._bundle()) > world else 0
 
     def _decide(self, failure: Failure) -> Decision:
         """RECOVERING: what the policy says about ``failure``."""
