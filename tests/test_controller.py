@@ -79,6 +79,30 @@ def test_a_cold_restart_goes_back_to_the_checkpoint_and_logs_the_redone_steps_ag
     assert run.failures == 1 and FakeGroup.made[-1].world == 3
 
 
+def test_a_cold_restart_keeps_the_hot_spare_the_run_started_with(tmp_path):
+    """Room for a spare at the start; none counted at the cold restart (the dead workers' resources not
+    yet released): the new group still keeps one, to start once there is room."""
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
+    capacity = iter([4] + [3] * 1000)
+    controller, store = _controller(tmp_path, pipeline, capacity=lambda bundle: next(capacity))
+    FakeGroup.made.clear()
+    controller.fit()
+    store.close()
+    assert [(g.world, g.options["spares"]) for g in FakeGroup.made] == [(3, 1), (3, 1)]
+
+
+def test_no_spare_is_kept_where_the_run_started_without_room_for_one(tmp_path):
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
+    capacity = iter([3] + [4] * 1000)
+    controller, store = _controller(tmp_path, pipeline, capacity=lambda bundle: next(capacity))
+    FakeGroup.made.clear()
+    controller.fit()
+    store.close()
+    assert [(g.world, g.options["spares"]) for g in FakeGroup.made] == [(3, 0), (3, 0)]
+
+
 def test_no_capacity_after_a_failure_is_the_policys_capacity_error(tmp_path):
     plan = ChunkPlan(total=20, steps_per_epoch=10, checkpoint_every=10)
     capacity = iter([1] * 1000)  # one worker's worth after the failure (the start asks none)

@@ -74,6 +74,7 @@ class Controller:
         self.fingerprint = fingerprint or {}
         self.make_group, self.capacity = new_group, capacity
         self.group: WorkerGroup | None = None
+        self.spare_target: int | None = None  # hot spares every group keeps (:meth:`_spares`)
         # Why the driver was asked to stop (SIGTERM, Ctrl-C): written by the signal handler, which may
         # run between any two lines of the main thread, so it is a mailbox apart from the run state.
         self.signal: str | None = None
@@ -151,12 +152,19 @@ class Controller:
         )
 
     def _spares(self, world: int) -> int:
-        """Hot spares: as configured, else one when the cluster has room beyond the workers (none for Ray Data)."""
-        if self.ray_dataset is not None:
-            return 0
-        if self.cfg.spares is not None:
-            return self.cfg.spares
-        return 1 if self.capacity(self._bundle()) > world else 0
+        """Hot spares: as configured, else one when the cluster has room beyond the workers (none for Ray Data).
+
+        Decided when the run starts and kept by every later group: a cold restart often counts while the
+        dead workers' resources are not yet released or a lost node is not yet back, and the group starts
+        its spare once there is room (``WorkerGroup`` tops the target up)."""
+        if self.spare_target is None:
+            if self.ray_dataset is not None:
+                self.spare_target = 0
+            elif self.cfg.spares is not None:
+                self.spare_target = self.cfg.spares
+            else:
+                self.spare_target = 1 if self.capacity(self._bundle()) > world else 0
+        return self.spare_target
 
     def _decide(self, failure: Failure) -> Decision:
         """RECOVERING: what the policy says about ``failure``."""
