@@ -219,3 +219,32 @@ def test_a_ready_replacement_is_taken_in_by_a_grow(tmp_path):
     assert record.steps_lost == 0 and record.restored_step == 4 and pipeline.starts == [0, 4]
     assert record.recovery_s is not None and record.recovery_s >= record.reform_s
     assert run.failures == 0 and [r["world_size"] for r in run.history][3:5] == [2, 3]
+
+
+def test_no_spare_starts_outside_the_group_while_ray_places_a_lost_bundle_again(monkeypatch):
+    """A bundle lost with its node puts the placement group in RESCHEDULING, and Ray's GCS then retries it
+    with no pause, busy on a core until it fits: a spare outside the group must not take that room.  Stand-ins
+    for Ray's placement-group table and free resources; the rest is the group's own code."""
+    import raympi.driver.group as group_module
+    from raympi.driver.group import WorkerGroup
+
+    state = {"value": "RESCHEDULING"}
+    monkeypatch.setattr(group_module, "placement_group_table", lambda pg: {"state": state["value"]})
+    monkeypatch.setattr(group_module.ray, "available_resources", lambda: {"CPU": 4.0})
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.pg, group.bundle, group.spares, spawned = object(), {"CPU": 1.0}, [], []
+
+    class Actor:
+        class __ray_ready__:  # noqa: N801  (Ray's name)
+            @staticmethod
+            def remote():
+                return "ready"
+
+    monkeypatch.setattr(group, "_spawn", lambda bundle, rank: spawned.append(bundle) or Actor())
+    group._start_spare(None)
+    assert spawned == []  # room for it, but the lost bundle waits for that room
+    group._start_spare(2)
+    assert spawned == [2]  # a freed bundle of the group is the group's own: it may start there
+    state["value"] = "CREATED"
+    group._start_spare(None)
+    assert spawned == [2, None] and len(group.spares) == 2

@@ -169,10 +169,18 @@ class WorkerGroup:
 
     def _start_spare(self, bundle_index: int | None) -> None:
         """A hot spare in a freed bundle of the group, or outside the group where the cluster has room now."""
-        if bundle_index is None and any(ray.available_resources().get(k, 0) < v for k, v in self.bundle.items()):
+        if bundle_index is None and (
+            self._rescheduling() or any(ray.available_resources().get(k, 0) < v for k, v in self.bundle.items())
+        ):
             return  # no room beyond the workers': a spare must never hold what they need
         actor = self._spawn(bundle_index, rank=-1)
         self.spares.append((actor, bundle_index, actor.__ray_ready__.remote()))
+
+    def _rescheduling(self) -> bool:
+        """Whether Ray is placing a bundle of ours again, lost with its node.  A spare outside the group must
+        not take the room it waits for: Ray's GCS retries such a placement group with no pause, a core busy
+        (and its health checks starved) until the bundle fits, measured here for minutes after a node loss."""
+        return self.pg is not None and placement_group_table(self.pg).get("state") == "RESCHEDULING"
 
     def replace(self, failed: list[int]) -> None:
         """Kill the ``failed`` ranks; hot spares take their places at once, replacements start in the
