@@ -79,28 +79,23 @@ def test_a_cold_restart_goes_back_to_the_checkpoint_and_logs_the_redone_steps_ag
     assert run.failures == 1 and FakeGroup.made[-1].world == 3
 
 
-def test_a_cold_restart_keeps_the_hot_spare_the_run_started_with(tmp_path):
-    """Room for a spare at the start; none counted at the cold restart (the dead workers' resources not
-    yet released): the new group still keeps one, to start once there is room."""
+@pytest.mark.parametrize(
+    "at_start, later, spares",
+    [(4, 3, 1), (3, 4, 0)],
+    ids=["room-at-start-none-at-the-restart", "no-room-at-start"],
+)
+def test_every_group_keeps_the_hot_spare_decided_when_the_run_started(tmp_path, at_start, later, spares):
+    """Room for a spare at the start and none counted at the cold restart (the dead workers' resources
+    not yet released): the new group still keeps one, to start once there is room.  No room at the
+    start: none, whatever a restart counts."""
     plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
     pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
-    capacity = iter([4] + [3] * 1000)
+    capacity = iter([at_start] + [later] * 1000)
     controller, store = _controller(tmp_path, pipeline, capacity=lambda bundle: next(capacity))
     FakeGroup.made.clear()
     controller.fit()
     store.close()
-    assert [(g.world, g.options["spares"]) for g in FakeGroup.made] == [(3, 1), (3, 1)]
-
-
-def test_no_spare_is_kept_where_the_run_started_without_room_for_one(tmp_path):
-    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
-    pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
-    capacity = iter([3] + [4] * 1000)
-    controller, store = _controller(tmp_path, pipeline, capacity=lambda bundle: next(capacity))
-    FakeGroup.made.clear()
-    controller.fit()
-    store.close()
-    assert [(g.world, g.options["spares"]) for g in FakeGroup.made] == [(3, 0), (3, 0)]
+    assert [(g.world, g.options["spares"]) for g in FakeGroup.made] == [(3, spares), (3, spares)]
 
 
 def test_no_capacity_after_a_failure_is_the_policys_capacity_error(tmp_path):
