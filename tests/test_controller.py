@@ -243,3 +243,20 @@ def test_no_spare_starts_outside_the_group_while_ray_places_a_lost_bundle_again(
     state["value"] = "CREATED"
     group._start_spare(None)
     assert spawned == [2, None] and len(group.spares) == 2
+
+
+@pytest.mark.parametrize(
+    "kind, announced",
+    [(FailureKind.EARLY_STOP, False), (FailureKind.COLLECTIVE, True)],
+    ids=["a-callback-stops-the-run", "a-collective-failed"],
+)
+def test_only_a_failure_is_announced_as_a_recovery(tmp_path, kind, announced):
+    """A stop asked for (a callback, Ctrl-C or SIGTERM to the driver) printed "recovering at step N"."""
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=5, failures={15: Failure(kind, "stop here")})
+    controller, store = _controller(tmp_path, pipeline)
+    lines: list[str] = []
+    controller.announce = lines.append
+    controller.fit()
+    store.close()
+    assert any(line.startswith("recovering at step") for line in lines) is announced, lines

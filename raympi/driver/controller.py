@@ -100,7 +100,10 @@ class Controller:
                     self.store.abandon_unsaved()  # checkpoints asked for in chunks that never completed
                 if failure is None:
                     return self._finish()
-                self._enter(Phase.RECOVERING)
+                # (a stop asked for by the user or a callback is no failure to recover from: not announced as one)
+                self._enter(
+                    Phase.RECOVERING, announce=failure.kind not in (FailureKind.DRIVER_SIGTERM, FailureKind.EARLY_STOP)
+                )
                 decision = self._decide(failure)
                 if isinstance(decision, Finish):
                     return self._finish()
@@ -116,10 +119,10 @@ class Controller:
                 self.group.shutdown()
                 self.group = None
 
-    def _enter(self, phase: Phase) -> None:
+    def _enter(self, phase: Phase, announce: bool = True) -> None:
         if self.run.phase is not phase:
             log.info("raympi: %s -> %s at step %d", self.run.phase.value, phase.value, self.run.step)
-            if phase in (Phase.DRAINING, Phase.RECOVERING):
+            if announce and phase in (Phase.DRAINING, Phase.RECOVERING):
                 self.announce(f"{phase.value} at step {self.run.step}")
             self.run = dataclasses.replace(self.run, phase=phase)
 
