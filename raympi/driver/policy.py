@@ -55,7 +55,8 @@ class FailureKind(str, enum.Enum):
     CAPACITY_BACK = "capacity_back"  # checkpoint taken, the cluster has room for a larger group
     REPLACEMENT_READY = "replacement_ready"  # a replacement started earlier can join now
     EARLY_STOP = "early_stop"  # a callback asked to stop: checkpoint taken, finish normally
-    DEGRADED = "degraded"  # far slower after a warm restart (seen: Ray busy re-placing a lost bundle): checkpoint taken, a fresh group
+    # far slower after a warm restart (seen: Ray busy re-placing a lost bundle): checkpoint taken, a fresh group
+    DEGRADED = "degraded"
     NO_CAPACITY = "no_capacity"  # a restart found no way to host min_workers within restart_timeout_s
 
     @property
