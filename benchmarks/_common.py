@@ -61,7 +61,8 @@ def start_local_ray(
     dashboard: Optional[bool] = False,
     **kwargs: Any,
 ) -> None:
-    """``ray.init(address="local", num_cpus=...)``: a fresh Ray instance of this process, quiet (``logging_level="ERROR"``).
+    """``ray.init(address="local", num_cpus=...)``: a fresh Ray instance of this process, quiet
+    (``logging_level="ERROR"``).
 
     ``env``: every worker's environment variables (``runtime_env``); ``dashboard=None``: Ray's default (started when
     its dependencies are there); other keywords go to ``ray.init`` as they are.
@@ -405,7 +406,8 @@ def mlp() -> Any:
 
 
 def synthetic_mnist(n: int, seed: int = SEED) -> tuple[Any, Any]:
-    """``n`` MNIST-shaped samples: (standard normal images (n, 1, 28, 28), labels 0-9), from a generator seeded ``seed``."""
+    """``n`` MNIST-shaped samples: (standard normal images (n, 1, 28, 28), labels 0-9), from a generator seeded
+    ``seed``."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -416,7 +418,8 @@ def synthetic_mnist(n: int, seed: int = SEED) -> tuple[Any, Any]:
 
 
 def rotated(items: Sequence[Any], run: int) -> list[Any]:
-    """``items`` starting at ``run``'s turn: who goes first rotates run by run, so drifts in machine speed spread out."""
+    """``items`` starting at ``run``'s turn: who goes first rotates run by run, so drifts in machine speed spread
+    out."""
     k = run % len(items)
     return list(items[k:]) + list(items[:k])
 
@@ -476,8 +479,8 @@ def fmt(value: Optional[float], f: str) -> str:
 
 
 def write_csv(path: Path, rows: Iterable[dict[str, Any]], fields: Optional[list[str]] = None, **options: Any) -> None:
-    """``rows`` as CSV at ``path`` (its folder made); columns ``fields``, by default the first row's keys (``rows`` a list
-    then); ``options`` go to csv.DictWriter (``extrasaction="ignore"``)."""
+    """``rows`` as CSV at ``path`` (its folder made); columns ``fields``, by default the first row's keys (``rows``
+    a list then); ``options`` go to csv.DictWriter (``extrasaction="ignore"``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields if fields is not None else list(rows[0]), **options)
@@ -545,7 +548,8 @@ def training_workers(raylets: set[int], watch_s: float = 0.3, patience_s: float 
 
 
 class SpareJoins(logging.Handler):
-    """Counts the driver's "a hot spare is standby rank" lines; ``is_set()`` once there was one since the last ``clear()``."""
+    """Counts the driver's "a hot spare is standby rank" lines; ``is_set()`` once there was one since the last
+    ``clear()``."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)

@@ -234,18 +234,24 @@ def run(
         cluster.shutdown()
     diff = max((clean.state.params[k] - result.state.params[k]).abs().max().item() for k in clean.state.params)
     counted = [r for r in result.restarts if r["kind"] in ("worker_lost", "hung", "collective", "formation")]
+    recoveries = sorted(r.get("recovery_s", float("nan")) for r in result.restarts)
     return {
         "faults injected": len(chaos.injected),
         "by kind": ", ".join(f for _, f in chaos.injected),
         "restart records": len(result.restarts),
         "failures recovered": len(counted),
-        "warm / cold": f"{sum(r['path'] == 'warm' for r in result.restarts)} / {sum(r['path'] == 'cold' for r in result.restarts)}",
+        "warm / cold": (
+            f"{sum(r['path'] == 'warm' for r in result.restarts)} / {sum(r['path'] == 'cold' for r in result.restarts)}"
+        ),
         "spares used": sum(bool(r.get("spare")) for r in result.restarts),
         "steps lost (beyond the step in flight)": sum(max(0, r.get("steps_lost", 0)) for r in result.restarts),
-        "steps": f"{len(result.metrics)} of {steps}, contiguous: {[r['step'] for r in result.metrics] == list(range(1, steps + 1))}",
+        "steps": (
+            f"{len(result.metrics)} of {steps}, "
+            f"contiguous: {[r['step'] for r in result.metrics] == list(range(1, steps + 1))}"
+        ),
         "throughput vs fault-free": f"{clean_s / chaos_s:.2f} ({steps / chaos_s:.1f} vs {steps / clean_s:.1f} steps/s)",
         "max |param - fault-free param|": f"{diff:.2e}",
-        "median recovery_s": f"{sorted(r.get('recovery_s', float('nan')) for r in result.restarts)[len(result.restarts) // 2] if result.restarts else float('nan'):.2f}",
+        "median recovery_s": f"{recoveries[len(recoveries) // 2] if recoveries else float('nan'):.2f}",
         "worker processes left": len(left),
         "left": left_detail,
         "injected at": [round(t - start_wall, 1) for t, _ in chaos.injected],

@@ -20,9 +20,9 @@ Figures per checkpoint (mid-run checkpoints only; the final one comes after the 
 Checkpoints go to a fresh folder under ``--dir`` (default: the system's temp folder), deleted after each run.
 
 Run:
-    python benchmarks/checkpoint_large.py                    # 1 GB state, 1 worker, 37 steps, 3 mid-run checkpoints (~4 min)
+    python benchmarks/checkpoint_large.py            # 1 GB state, 1 worker, 37 steps, 3 mid-run checkpoints (~4 min)
     python benchmarks/checkpoint_large.py --workers 2 --runs 3
-    python benchmarks/checkpoint_large.py --quick            # 64 MB, 1 run (tests)
+    python benchmarks/checkpoint_large.py --quick    # 64 MB, 1 run (tests)
 
 Writes benchmarks/out/checkpoint_large.csv (every run) and benchmarks/out/checkpoint_large.txt (the table);
 checkpoint_large_quick.* with --quick.
@@ -152,7 +152,8 @@ def main() -> None:
     for r in rows:
         if r["way"] != "none":
             print(
-                f"{r['way']} run {r['run']}: blocked s per checkpoint {r['blocked_each']}; rank 0's copy s {r['copy_each'] or '-'}"
+                f"{r['way']} run {r['run']}: blocked s per checkpoint {r['blocked_each']}; "
+                f"rank 0's copy s {r['copy_each'] or '-'}"
             )
     lines = [
         f"state {rows[0]['state_mb']:.0f} MiB, {args.workers} worker(s), {args.steps} steps, a checkpoint every "

@@ -119,7 +119,8 @@ def main() -> None:
         for a in actors:
             ray.kill(a)
     print(
-        f"\n{'N':>3} {'what':<18} {'raympi (MPI)':>14} {'gloo':>12} {'MPI algbw':>12} {'gloo algbw':>12} {'gloo/MPI':>9}"
+        f"\n{'N':>3} {'what':<18} {'raympi (MPI)':>14} {'gloo':>12} {'MPI algbw':>12} {'gloo algbw':>12} "
+        f"{'gloo/MPI':>9}"
     )
     for n, what, mpi_s, gloo_s, mpi_bw, gloo_bw in rows:
         bw = f"{mpi_bw / 1e9:10.2f}GB/s {gloo_bw / 1e9:10.2f}GB/s" if mpi_bw else f"{'':>12} {'':>12}"

@@ -41,10 +41,10 @@ Correctness: every contender but the floor saves its final parameters; each must
 FAIL and a non-zero exit.
 
 Run:
-    python benchmarks/compare.py                      # 3 runs x 2 models x W in (2, 4) x 5 contenders, 40 steps (10 warm-up)
-                                                      # about 20 min on 2 busy cores: launches, not steps, dominate
+    python benchmarks/compare.py            # 3 runs x 2 models x W in (2, 4) x 5 contenders, 40 steps (10 warm-up)
+                                            # about 20 min on 2 busy cores: launches, not steps, dominate
     python benchmarks/compare.py --models cnn --workers 2 --contenders raympi,torchrun-ddp
-    python benchmarks/compare.py --quick              # 1 run, CNN, W=2, 15 steps, raympi + mpiexec + floor
+    python benchmarks/compare.py --quick    # 1 run, CNN, W=2, 15 steps, raympi + mpiexec + floor
 
 Writes benchmarks/out/compare.csv (every run) and benchmarks/out/compare.png (median ms/step, min-max bars).
 """
@@ -121,7 +121,8 @@ def build_model(name: str) -> nn.Module:
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
-    """raympi.driver.data.epoch_order, restated so that children need not import raympi (the driver checks they agree)."""
+    """raympi.driver.data.epoch_order, restated so that children need not import raympi (the driver checks they
+    agree)."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
@@ -141,7 +142,8 @@ def _run_loop(
     sync: Optional[Callable[[], None]],
     barrier: Callable[[], None],
 ) -> None:
-    """The shared loop: SGD steps on this rank's part of each global batch, timed between barriers; rank 0 writes the result.
+    """The shared loop: SGD steps on this rank's part of each global batch, timed between barriers; rank 0 writes the
+    result.
 
     ``world`` is the number of ranks of the workload (the floor runs rank 0's part alone with world=W).
     """
@@ -551,17 +553,22 @@ def _summarize(rows, models, workers, contenders) -> list[dict[str, Any]]:
 
 def _print_table(summary, args) -> None:
     print(
-        f"\nms/step over steps {args.warmup + 1}-{args.steps} ({args.steps - args.warmup} timed after {args.warmup} warm-up), "
+        f"\nms/step over steps {args.warmup + 1}-{args.steps} "
+        f"({args.steps - args.warmup} timed after {args.warmup} warm-up), "
         f"{args.runs} run(s); batch {PER_WORKER}/worker; ratio = contender median / raympi median"
     )
-    header = f"{'model':5} | {'W':>2} | {'contender':16} | {'min':>8} | {'median':>8} | {'max':>8} | {'ratio':>6} | {'launch s':>8} | params match"
+    header = (
+        f"{'model':5} | {'W':>2} | {'contender':16} | {'min':>8} | {'median':>8} | {'max':>8} | {'ratio':>6} | "
+        f"{'launch s':>8} | params match"
+    )
     print(header)
     print("-" * len(header))
     for s in summary:
         diff = f" (max diff {s['diff']:.1e})" if s["match"] in ("PASS", "FAIL") and s["diff"] is not None else ""
         print(
-            f"{s['model']:5} | {s['workers']:>2} | {s['contender']:16} | {fmt(s['min'], '8.2f')} | {fmt(s['median'], '8.2f')} | "
-            f"{fmt(s['max'], '8.2f')} | {fmt(s['ratio'], '6.2f')} | {fmt(s['launch'], '8.2f')} | {s['match']}{diff}"
+            f"{s['model']:5} | {s['workers']:>2} | {s['contender']:16} | {fmt(s['min'], '8.2f')} | "
+            f"{fmt(s['median'], '8.2f')} | {fmt(s['max'], '8.2f')} | {fmt(s['ratio'], '6.2f')} | "
+            f"{fmt(s['launch'], '8.2f')} | {s['match']}{diff}"
         )
     launches = {
         c: [s["launch"] for s in summary if s["contender"] == c and s["launch"] is not None]
@@ -570,7 +577,8 @@ def _print_table(summary, args) -> None:
     if all(launches.values()):
         a, b = statistics.median(launches["raympi"]), statistics.median(launches["raytrain"])
         print(
-            f"launch to first completed step (median over models and W, Ray start excluded): raympi {a:.2f} s, Ray Train {b:.2f} s ({b / a:.1f}x)"
+            f"launch to first completed step (median over models and W, Ray start excluded): raympi {a:.2f} s, "
+            f"Ray Train {b:.2f} s ({b / a:.1f}x)"
         )
 
 
@@ -613,7 +621,10 @@ def _print_targets(summary, rows, models, workers) -> None:
                 ]
                 if raw and med.get((m, w, "floor")):
                     ms = statistics.median(r["raw_allreduce_ms"] for r in raw)
-                    spread = f"p10-p90 {min(r['raw_allreduce_p10_ms'] for r in raw):.2f}-{max(r['raw_allreduce_p90_ms'] for r in raw):.2f}"
+                    spread = (
+                        f"p10-p90 {min(r['raw_allreduce_p10_ms'] for r in raw):.2f}-"
+                        f"{max(r['raw_allreduce_p90_ms'] for r in raw):.2f}"
+                    )
                     ratio = mine / (med[(m, w, "floor")] + ms)
                     where = (
                         "Ray actors, fit's transport"

@@ -48,28 +48,33 @@ CONST: dict[str, tuple[float, float, str]] = {
     "nvlink_busbw": (
         480e9,
         360e9,
-        "published: NCCL all_reduce busbw reported by nccl-tests on DGX H100 (NVLink4 / NVSwitch, 900 GB/s bidirectional per GPU in NVIDIA's DGX H100 spec); A100: ~230 GB/s",
+        "published: NCCL all_reduce busbw reported by nccl-tests on DGX H100 (NVLink4 / NVSwitch, "
+        "900 GB/s bidirectional per GPU in NVIDIA's DGX H100 spec); A100: ~230 GB/s",
     ),
     "ib_busbw": (
         45e9,
         40e9,
-        "published/typical: nccl-tests all_reduce busbw across DGX H100 nodes, 8 x ConnectX-7 400 Gb/s NDR per node (one per GPU, DGX H100 spec), 50 GB/s line rate per GPU",
+        "published/typical: nccl-tests all_reduce busbw across DGX H100 nodes, 8 x ConnectX-7 400 Gb/s NDR per node "
+        "(one per GPU, DGX H100 spec), 50 GB/s line rate per GPU",
     ),
     "nccl_alpha_node": (10e-6, 20e-6, "assumed: one NCCL all-reduce's latency on one NVSwitch node"),
     "nccl_alpha_cluster": (
         0.1e-3,
         0.5e-3,
-        "assumed: one NCCL all-reduce's latency over 128 nodes (tree ~ 2 log2(128) hops, ring ~ 2 x 127 hops of a few us)",
+        "assumed: one NCCL all-reduce's latency over 128 nodes "
+        "(tree ~ 2 log2(128) hops, ring ~ 2 x 127 hops of a few us)",
     ),
     "pcie": (
         25e9,
         20e9,
-        "assumed: device <-> pinned host per GPU while all 8 copy: 4 PCIe Gen5 x16 uplinks (~50 GB/s effective per direction each), 2 GPUs per uplink",
+        "assumed: device <-> pinned host per GPU while all 8 copy: 4 PCIe Gen5 x16 uplinks (~50 GB/s effective per "
+        "direction each), 2 GPUs per uplink",
     ),
     "shm_beta": (
         11.4e9,
         8.2e9,
-        "measured here: MPI allreduce busbw between 2 ranks in shared memory, UCX, 1 MB / 16 MB (scale.py; includes the sum)",
+        "measured here: MPI allreduce busbw between 2 ranks in shared memory, UCX, 1 MB / 16 MB (scale.py; "
+        "includes the sum)",
     ),
     "host_dram": (
         500e9,
@@ -86,18 +91,21 @@ CONST: dict[str, tuple[float, float, str]] = {
     "tcp_core": (
         3e9,
         0.75e9,
-        "slow end measured here (754 MB/s busbw at 16 MB, 2 ranks over veths, OFI/tcp, multihost.py); fast end assumed: one server core's TCP send + receive",
+        "slow end measured here (754 MB/s busbw at 16 MB, 2 ranks over veths, OFI/tcp, multihost.py); "
+        "fast end assumed: one server core's TCP send + receive",
     ),
     "tcp_efficiency": (0.9, 0.7, "assumed: TCP payload rate / NIC line rate with 8 ranks' connections"),
     "sum_rate": (
         13.5e9,
         8e9,
-        "measured here: np.add float32 in place, one core, 7.9-17.7 GB/s over three runs at 16 / 64 MB (--measure); MPICH's own loop assumed no faster",
+        "measured here: np.add float32 in place, one core, 7.9-17.7 GB/s over three runs at 16 / 64 MB (--measure); "
+        "MPICH's own loop assumed no faster",
     ),
     "driver_rank_step": (
         40e-6,
         65e-6,
-        "measured here: 65 us per rank and step with tensor indices (scale.py b); 40 us derived for numpy indices, which the driver sends now (65 - 34 + 9), not re-measured",
+        "measured here: 65 us per rank and step with tensor indices (scale.py b); 40 us derived for numpy indices, "
+        "which the driver sends now (65 - 34 + 9), not re-measured",
     ),
     "ckpt_d2h": (25e9, 20e9, "assumed: rank 0's device -> host copy"),
     "ckpt_write": (2e9, 1e9, "assumed: NVMe or object store; here ~0.3 GB/s (checkpoint_large.py)"),
@@ -126,7 +134,8 @@ WORKLOADS = [
         256 / 3000,
         2 / 3,
         2 * 4 * 25.6e6,
-        "assumed: ~3000 img/s per H100 in bf16 (MLPerf-class) at batch 256 per GPU: 85 ms a step, backward 2/3; SGD + momentum: state 0.2 GB",
+        "assumed: ~3000 img/s per H100 in bf16 (MLPerf-class) at batch 256 per GPU: 85 ms a step, backward 2/3; "
+        "SGD + momentum: state 0.2 GB",
     ),
     Workload(
         "1B transformer",
@@ -134,7 +143,8 @@ WORKLOADS = [
         _transformer_step(1e9, 16384, 989e12, 0.40),
         2 / 3,
         12e9,
-        "assumed: 16,384 tokens per GPU per step (8 x 2048), 6 x params FLOPs a token, H100 bf16 dense peak 989 TFLOP/s (NVIDIA spec) at 40 % MFU: 248 ms a step, backward 2/3; fp32 master weights + Adam: state 12 GB",
+        "assumed: 16,384 tokens per GPU per step (8 x 2048), 6 x params FLOPs a token, H100 bf16 dense peak 989 "
+        "TFLOP/s (NVIDIA spec) at 40 % MFU: 248 ms a step, backward 2/3; fp32 master weights + Adam: state 12 GB",
     ),
 ]
 
@@ -358,7 +368,9 @@ def rows() -> list[dict[str, Any]]:
                 "exposed_s": blocked,
                 "step_x": None,
                 "per": " a checkpoint",
-                "first_limit": f"per checkpoint, not per step: the write ({_fmt_s(*write)}) must end before the next one",
+                "first_limit": (
+                    f"per checkpoint, not per step: the write ({_fmt_s(*write)}) must end before the next one"
+                ),
             }
         )
     return out
@@ -420,11 +432,13 @@ def main() -> None:
         print()
         for w in WORKLOADS:
             print(
-                f"- {w.name}: compute {w.compute_s * 1e3:.0f} ms/step, backward {w.compute_s * w.backward_frac * 1e3:.0f} ms ({w.note})"
+                f"- {w.name}: compute {w.compute_s * 1e3:.0f} ms/step, "
+                f"backward {w.compute_s * w.backward_frac * 1e3:.0f} ms ({w.note})"
             )
     if args.measure:
         print(
-            f"\nnp.add float32, 64 MB, this machine: {measure_sum() / 1e9:.1f} GB/s (sum_rate's fast end: {CONST['sum_rate'][0] / 1e9:.1f})"
+            f"\nnp.add float32, 64 MB, this machine: {measure_sum() / 1e9:.1f} GB/s "
+            f"(sum_rate's fast end: {CONST['sum_rate'][0] / 1e9:.1f})"
         )
 
 

@@ -20,9 +20,10 @@ initial weights and the same number of steps for everyone.  Contenders, interlea
 Throughput is the steady state: samples/s over the steps after the warm-up (start-up excluded).  The
 torchrun and Ray Train ranks time it themselves, between two barriers; raympi from the driver-observed
 times of its metrics records (the records of a chunk are all stamped when it arrives, microseconds apart:
-from the arrival of the chunk holding step ``--warmup`` to that of the last step).  "start s": from the contender's start (the ``fit()``
-call, ``trainer.fit()``, the torchrun launch) to the end of rank 0's first step; Ray's own start
-(``ray.init``, one fresh local Ray per raympi / Ray Train run, as in compare.py) is not included.
+from the arrival of the chunk holding step ``--warmup`` to that of the last step).  "start s": from the
+contender's start (the ``fit()`` call, ``trainer.fit()``, the torchrun launch) to the end of rank 0's first
+step; Ray's own start (``ray.init``, one fresh local Ray per raympi / Ray Train run, as in compare.py) is not
+included.
 
 Augmentations differ in their random draws between frameworks (raympi seeds each sample from
 (seed, epoch, index); DistributedSampler shuffles differently), so parameters are not compared here:
@@ -94,7 +95,8 @@ LABELS = {
 REFERENCE = "raympi-tv-lw0"
 
 
-# ---------------------------------------------------------------- the workload (driver, torchrun ranks, Ray Train workers)
+# ---------------------------------------------------------------- the workload
+# (driver, torchrun ranks, Ray Train workers)
 
 
 def subset(dataset: Any, n: int) -> Any:
@@ -238,17 +240,19 @@ def _summarize(rows: list[dict[str, Any]], contenders: list[str]) -> list[dict[s
 
 def _table(summary: list[dict[str, Any]], args: argparse.Namespace, inputs: Inputs) -> str:
     lines = [
-        f"samples/s over steps {args.warmup + 1}-{args.steps} ({args.steps - args.warmup} timed after {args.warmup} warm-up), "
-        f"{args.runs} run(s) interleaved; Fashion-MNIST {inputs.length:,}, CNN {inputs.params:,} params, {WORLD} workers, "
-        f"global batch {GLOBAL}, SGD, 1 torch thread/rank; x ref = median / median of '{REFERENCE}'",
+        f"samples/s over steps {args.warmup + 1}-{args.steps} "
+        f"({args.steps - args.warmup} timed after {args.warmup} warm-up), {args.runs} run(s) interleaved; "
+        f"Fashion-MNIST {inputs.length:,}, CNN {inputs.params:,} params, {WORLD} workers, global batch {GLOBAL}, "
+        f"SGD, 1 torch thread/rank; x ref = median / median of '{REFERENCE}'",
     ]
     header = f"{'contender':16} | {'what':42} | {'min':>7} | {'median':>7} | {'max':>7} | {'x ref':>5} | {'start s':>7}"
     lines += [header, "-" * len(header)]
     for s in summary:
         err = f" ({s['errors']} failed)" if s["errors"] else ""
         lines.append(
-            f"{s['contender']:16} | {LABELS[s['contender']]:42} | {fmt(s['min'], '7.0f')} | {fmt(s['median'], '7.0f')} | "
-            f"{fmt(s['max'], '7.0f')} | {fmt(s['ratio'], '5.2f')} | {fmt(s['start'], '7.2f')}{err}"
+            f"{s['contender']:16} | {LABELS[s['contender']]:42} | {fmt(s['min'], '7.0f')} | "
+            f"{fmt(s['median'], '7.0f')} | {fmt(s['max'], '7.0f')} | {fmt(s['ratio'], '5.2f')} | "
+            f"{fmt(s['start'], '7.2f')}{err}"
         )
     med = {s["contender"]: s["median"] for s in summary if s["median"]}
     lines += ["", "targets (medians of this run)"]

@@ -201,7 +201,8 @@ def _table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespac
     lines = [
         f"driver during raympi.fit(Net(), dataset, workers={WORLD}, max_steps={STEPS}, batch_size={BATCH}); "
         f"{args.runs} run(s) interleaved, medians (min-max); lazy = generated from the index, nothing stored",
-        f"{'dataset':28} | {'samples':>10} | {'peak RSS growth MB':>22} | {'RSS kept MB':>20} | {'fit() to step 1 s':>20}",
+        f"{'dataset':28} | {'samples':>10} | {'peak RSS growth MB':>22} | {'RSS kept MB':>20} | "
+        f"{'fit() to step 1 s':>20}",
     ]
     lines.append("-" * len(lines[-1]))
     by_name: dict[str, dict[str, list[float]]] = {}
@@ -212,7 +213,8 @@ def _table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespac
         n = next(r["samples"] for r in rows if r["case"] == name)
         lines.append(
             f"{label:28} | {n:>10,} | {median_range(by_name[name]['rss_growth_mb'], '6.1f'):>22} | "
-            f"{median_range(by_name[name]['rss_kept_mb'], '5.1f'):>20} | {median_range(by_name[name]['start_s'], '5.2f'):>20}"
+            f"{median_range(by_name[name]['rss_kept_mb'], '5.1f'):>20} | "
+            f"{median_range(by_name[name]['start_s'], '5.2f'):>20}"
         )
     lazy = [n for n in names if n != CONTROL and by_name[n]["rss_growth_mb"]]
     if lazy:
@@ -220,7 +222,8 @@ def _table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespac
         lines += [
             "",
             "targets (medians of this run)",
-            f"  peak RSS growth, largest over the lazy sizes: {worst:.1f} MB (target < 200 MB: {'met' if worst < 200 else 'not met'})",
+            f"  peak RSS growth, largest over the lazy sizes: {worst:.1f} MB "
+            f"(target < 200 MB: {'met' if worst < 200 else 'not met'})",
         ]
         if len(lazy) > 1:
             small, big = statistics.median(by_name[lazy[0]]["start_s"]), statistics.median(by_name[lazy[-1]]["start_s"])

@@ -107,7 +107,8 @@ def main() -> None:
         print(f"run {run + 1}: fit() to the first step {result['first_step_s']:.2f} s", flush=True)
     names = [k for k in runs[0] if k != "params"]
     lines = [
-        f"fit() on GPT-2 ({runs[0]['params'] / 1e6:.2f}M parameters), 2 workers, local Ray; median of {len(runs)} fresh runs",
+        f"fit() on GPT-2 ({runs[0]['params'] / 1e6:.2f}M parameters), 2 workers, local Ray; "
+        f"median of {len(runs)} fresh runs",
         "",
         f"{'phase':<58} {'seconds':>8}",
     ]

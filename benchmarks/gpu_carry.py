@@ -67,7 +67,8 @@ SLIM_REMOVE = (
     "ray/dashboard/client/build/",
 )
 # matplotlib (fit() writes its loss plot with it, Agg, PNG): its tests, sample data and every font
-# but DejaVu Sans (regular and bold, the default) and LastResortHE (its fallback) (9.4 -> 4.7 MB); pillow: the AVIF plugin and its library (2.3 MB).
+# but DejaVu Sans (regular and bold, the default) and LastResortHE (its fallback) (9.4 -> 4.7 MB);
+# pillow: the AVIF plugin and its library (2.3 MB).
 SLIM_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # wheel name -> (remove, but keep)
     "ray": (SLIM_REMOVE, ()),
     "matplotlib": (

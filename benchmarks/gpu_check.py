@@ -168,7 +168,8 @@ def _fit(model: nn.Module, data: Any, gpu: bool, workers: int, share: bool, **op
 
 
 def stage_parity(cfg: argparse.Namespace) -> dict[str, Any]:
-    """(c) one GPU worker, and two workers sharing GPU 0 over MPI and over gloo, overlap off and on, against CPU workers."""
+    """(c) one GPU worker, and two workers sharing GPU 0 over MPI and over gloo, overlap off and on, against CPU
+    workers."""
     g = torch.Generator().manual_seed(0)
     data = (torch.randn(96, 32, generator=g), torch.randint(0, 10, (96,), generator=g))
 

@@ -115,7 +115,8 @@ def main() -> None:
         mine = [r for r in rows if r[0] == setting]
         print(
             f"  {setting}: median {statistics.median(r[2] for r in mine):.2f} ms/step, "
-            f"allreduce {statistics.median(r[3] for r in mine):.2f} ms, {statistics.median(r[4] for r in mine):.1f} faults/step"
+            f"allreduce {statistics.median(r[3] for r in mine):.2f} ms, "
+            f"{statistics.median(r[4] for r in mine):.1f} faults/step"
         )
 
 

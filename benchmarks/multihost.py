@@ -117,7 +117,8 @@ def main() -> None:
     print(f"{'where':<16}{'netmod':<8}{'ranks':>6}{'form s':>9}{'MB':>6}{'allreduce ms':>14}{'bus MB/s':>10}")
     for r in rows:
         print(
-            f"{r['where']:<16}{r['netmod']:<8}{r['ranks']:>6}{r['form_s']:>9.3f}{r['MB']:>6g}{r['allreduce_ms']:>14.2f}{r['bus_MBps']:>10.0f}"
+            f"{r['where']:<16}{r['netmod']:<8}{r['ranks']:>6}{r['form_s']:>9.3f}{r['MB']:>6g}"
+            f"{r['allreduce_ms']:>14.2f}{r['bus_MBps']:>10.0f}"
         )
 
 

@@ -9,9 +9,10 @@ uses).  Median ms per step of rank 0 for the 5.8M MLP and the CNN of examples/mn
 
     python benchmarks/overlap.py --step [--threads 2] [--bucket-mb 16] [--rounds 8] [--quick]
 
-Without ``--step``, the micro-benchmark that came first.  Two ranks (Ray actors, one MPI communicator, UCX).  "compute" stands for the rest of a backward pass: the
-MLP's first-layer weight gradient (32x2048 by 32x784), six times.  "allreduce" is the MLP's 16.8 MB
-second-layer gradient.  Four ways, interleaved, median ms of rank 0:
+Without ``--step``, the micro-benchmark that came first.  Two ranks (Ray actors, one MPI communicator,
+UCX).  "compute" stands for the rest of a backward pass: the MLP's first-layer weight gradient
+(32x2048 by 32x784), six times.  "allreduce" is the MLP's 16.8 MB second-layer gradient.  Four ways,
+interleaved, median ms of rank 0:
 
     compute only / allreduce only    each alone
     sequential                       compute, then allreduce (what raympi's step does)
@@ -145,8 +146,8 @@ def _models() -> dict:
 def _step_table(ranks: list, args: argparse.Namespace) -> None:
     steps, rounds = (3, 2) if args.quick else (5, args.rounds)
     print(
-        f"\n2 ranks, UCX, {args.threads} torch thread(s) each, batch {args.batch} per rank, bucket {args.bucket_mb} MiB, "
-        f"median ms/step of rank 0 ({rounds} rounds x {steps} steps, interleaved)"
+        f"\n2 ranks, UCX, {args.threads} torch thread(s) each, batch {args.batch} per rank, "
+        f"bucket {args.bucket_mb} MiB, median ms/step of rank 0 ({rounds} rounds x {steps} steps, interleaved)"
     )
     print(
         f"{'model':<30} | "
@@ -163,7 +164,8 @@ def _step_table(ranks: list, args: argparse.Namespace) -> None:
         print(
             f"{name:<30} | "
             + " | ".join(f"{res[m]:>14.2f}" for m in STEP_MODES)
-            + f" | {res['overlap inline'] / off:>10.2f} | {res['overlap thread'] / off:>10.2f} | {res['max |param diff|']:.1e}",
+            + f" | {res['overlap inline'] / off:>10.2f} | {res['overlap thread'] / off:>10.2f} | "
+            f"{res['max |param diff|']:.1e}",
             flush=True,
         )
 

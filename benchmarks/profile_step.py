@@ -118,8 +118,8 @@ def main() -> None:
         r = ray.get([a.profile.remote(make, steps, 32) for a in actors])[0]
         rest = r["step"] - r["fwd_bwd"] - r["allreduce"]
         print(
-            f"{name:<24} {r['params']:>9,} {r['step']:8.2f} {r['fwd']:8.2f} {r['fwd_bwd'] - r['fwd']:8.2f} {r['allreduce']:10.2f} "
-            f"{r['raw']:8.2f} {rest:10.2f}"
+            f"{name:<24} {r['params']:>9,} {r['step']:8.2f} {r['fwd']:8.2f} {r['fwd_bwd'] - r['fwd']:8.2f} "
+            f"{r['allreduce']:10.2f} {r['raw']:8.2f} {rest:10.2f}"
         )
     ray.shutdown()
 

@@ -214,8 +214,8 @@ class _StopAfterRecovery:
 
 
 def _raympi_fit(folder: str, n: int, steps: int, path: str, transport: str = "mpi") -> raympi.Result:
-    """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the driver.
-    ``transport``: fit's ``grad_transport`` (a gloo process group is rebuilt on every new communicator)."""
+    """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the
+    driver.  ``transport``: fit's ``grad_transport`` (a gloo process group is rebuilt on every new communicator)."""
     recovery = _recovery_module()
     saved = getattr(recovery, "warm", None)
     if path == "cold" and saved is not None:
@@ -254,7 +254,8 @@ def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[s
     notes = []
     if len(failures) > 1:
         notes.append(
-            f"{len(failures)} failures, not 1 ({'; '.join(r['cause'][:80] for r in failures[1:])}): excluded from the stats"
+            f"{len(failures)} failures, not 1 ({'; '.join(r['cause'][:80] for r in failures[1:])}): "
+            "excluded from the stats"
         )
     expected = path
     if failures[0].get("path", "cold") != expected:
@@ -263,7 +264,8 @@ def _raympi_measure(result: raympi.Result, injected: float, path: str) -> dict[s
     for r in result.restarts:
         if r["kind"] == "degraded":  # the warm group ran far slower: replaced (checkpoint, fresh group)
             notes.append(
-                f"then {r['cause']}: a fresh group from step {r['restored_step']} took {r.get('recovery_s') or 0:.1f} s more"
+                f"then {r['cause']}: a fresh group from step {r['restored_step']} "
+                f"took {r.get('recovery_s') or 0:.1f} s more"
             )
     note = "; ".join(notes)
     record = failures[0]
@@ -596,7 +598,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     print(
         f"model 784-256-10 MLP (+{PACE_S * 1000:g} ms sleep per forward), {WORKERS} workers, batch {BATCH}, "
-        f"checkpoint every {CHECKPOINT_EVERY} steps, failure injected after the checkpoint of step {FAIL_AFTER_CHECKPOINT}",
+        f"checkpoint every {CHECKPOINT_EVERY} steps, "
+        f"failure injected after the checkpoint of step {FAIL_AFTER_CHECKPOINT}",
         flush=True,
     )
 
@@ -647,9 +650,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         spares = [r.get("spare") for r in results[name] if not r["excluded"] and r.get("spare") is not None]
         spare = f"{sum(spares)}/{len(spares)}" if spares else "-"
         print(
-            f"{name:<34} | {med:>8.2f} | {min(values):>6.2f} | {max(values):>6.2f} | {len(values):>4} | {_fmt(lost, 0):>10} | "
-            f"{_fmt(split['detect_s']):>8} | {_fmt(split['reform_s']):>8} | {_fmt(split['first_step_s']):>10} | {spare:>5} | "
-            f"{(_fmt(ratio, 1) + 'x') if ratio else '-':>16}"
+            f"{name:<34} | {med:>8.2f} | {min(values):>6.2f} | {max(values):>6.2f} | {len(values):>4} | "
+            f"{_fmt(lost, 0):>10} | {_fmt(split['detect_s']):>8} | {_fmt(split['reform_s']):>8} | "
+            f"{_fmt(split['first_step_s']):>10} | {spare:>5} | {(_fmt(ratio, 1) + 'x') if ratio else '-':>16}"
         )
         summary.append(
             {
@@ -694,13 +697,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if name.endswith("(warm)") and results[name]:
             taken = [r["path"] for r in results[name]]
             print(
-                f"{name}: path taken warm {taken.count('warm')}/{len(taken)}, cold fallback {taken.count('cold')}/{len(taken)}"
+                f"{name}: path taken warm {taken.count('warm')}/{len(taken)}, "
+                f"cold fallback {taken.count('cold')}/{len(taken)}"
             )
     for name, _ in scenarios:
         excluded = [r["run"] for r in results[name] if r["excluded"]]
         if excluded or errors[name]:
             print(
-                f"{name}: {len(errors[name])} run(s) failed, run(s) {excluded or '-'} excluded (more than the one injected failure)"
+                f"{name}: {len(errors[name])} run(s) failed, run(s) {excluded or '-'} excluded "
+                "(more than the one injected failure)"
             )
 
     stem = (

@@ -86,7 +86,8 @@ class Echo:
 class EchoGroup(WorkerGroup):
     """``WorkerGroup``'s own ``gather`` and checks over :class:`Echo` actors (no placement group, no MPI)."""
 
-    def __init__(self, cfg: Any, actors: list[Any]) -> None:  # noqa: D107 - WorkerGroup.__init__ would start real workers
+    # WorkerGroup.__init__ would start real workers
+    def __init__(self, cfg: Any, actors: list[Any]) -> None:  # noqa: D107
         self.cfg, self.world, self.actors = cfg, len(actors), actors
         self.hosts, self.nodes, self.pending, self.spares = [socket.gethostname()] * len(actors), [], [], []
         self.cpu_s = 0.0  # driver CPU spent in gather
@@ -237,21 +238,22 @@ def part_b(worlds: list[int], chunks: list[int], steps: int) -> list[dict[str, A
 
 def print_a(rows: list[dict[str, Any]], cores: int) -> None:
     print(
-        f"\n(a) light members, {cores} cores, MPI env {MPIConfig().environment(multi_host=False)}; median of the slowest rank"
+        f"\n(a) light members, {cores} cores, MPI env {MPIConfig().environment(multi_host=False)}; "
+        "median of the slowest rank"
     )
     ref = next((r for r in rows if r["N"] >= 8), rows[-1])
     n0, lg0 = ref["N"], math.log2(max(2, ref["N"]))
     print(
-        f"{'N':>3} | {'start s':>7} | {'init s':>6} | {'form s':>7} | {'form/N ms':>9} | {'8 B ms':>7} | {'1 MB ms':>8} | {'16 MB ms':>8} | "
-        f"{'form x':>6} | {'1 MB x':>6} | {'log2N x':>7} | {'N log2N x':>9}"
+        f"{'N':>3} | {'start s':>7} | {'init s':>6} | {'form s':>7} | {'form/N ms':>9} | {'8 B ms':>7} | "
+        f"{'1 MB ms':>8} | {'16 MB ms':>8} | {'form x':>6} | {'1 MB x':>6} | {'log2N x':>7} | {'N log2N x':>9}"
     )
     for r in rows:
         n, lg = r["N"], math.log2(max(2, r["N"]))
         mb16 = f"{r['16MB'] * 1e3:8.1f}" if "16MB" in r else f"{'-':>8}"
         print(
-            f"{n:>3} | {r['start_s']:7.1f} | {r['init_s']:6.2f} | {r['form_s']:7.2f} | {r['form_s'] / n * 1e3:9.1f} | {r['8B'] * 1e3:7.2f} | "
-            f"{r['1MB'] * 1e3:8.2f} | {mb16} | {r['form_s'] / ref['form_s']:6.2f} | {r['1MB'] / ref['1MB']:6.2f} | "
-            f"{lg / lg0:7.2f} | {n * lg / (n0 * lg0):9.2f}"
+            f"{n:>3} | {r['start_s']:7.1f} | {r['init_s']:6.2f} | {r['form_s']:7.2f} | {r['form_s'] / n * 1e3:9.1f} | "
+            f"{r['8B'] * 1e3:7.2f} | {r['1MB'] * 1e3:8.2f} | {mb16} | {r['form_s'] / ref['form_s']:6.2f} | "
+            f"{r['1MB'] / ref['1MB']:6.2f} | {lg / lg0:7.2f} | {n * lg / (n0 * lg0):9.2f}"
         )
     print(
         "  init: MPI_Init on every rank at once (fit does it inside formation's first round); form: comm.form after it"
@@ -265,8 +267,10 @@ def print_a(rows: list[dict[str, Any]], cores: int) -> None:
         span = math.log(top["N"] / n0)
         print(
             f"  from N={n0} to {top['N']}: formation ~ N^{math.log(top['form_s'] / ref['form_s']) / span:.2f}, "
-            f"1 MB allreduce ~ N^{math.log(top['1MB'] / ref['1MB']) / span:.2f}, 8 B ~ N^{math.log(top['8B'] / ref['8B']) / span:.2f} "
-            f"(log2N model: N^{math.log(math.log2(top['N']) / lg0) / span:.2f}, N log2N: N^{math.log(top['N'] * math.log2(top['N']) / (n0 * lg0)) / span:.2f})"
+            f"1 MB allreduce ~ N^{math.log(top['1MB'] / ref['1MB']) / span:.2f}, "
+            f"8 B ~ N^{math.log(top['8B'] / ref['8B']) / span:.2f} "
+            f"(log2N model: N^{math.log(math.log2(top['N']) / lg0) / span:.2f}, "
+            f"N log2N: N^{math.log(top['N'] * math.log2(top['N']) / (n0 * lg0)) / span:.2f})"
         )
     two = next((r for r in rows if r["N"] == 2), None)
     if two:
@@ -284,11 +288,12 @@ def print_a(rows: list[dict[str, Any]], cores: int) -> None:
 
 def print_b(rows: list[dict[str, Any]]) -> None:
     print(
-        "\n(b) driver CPU per chunk (time.process_time of the driver process, all threads) with workers that answer at once"
+        "\n(b) driver CPU per chunk (time.process_time of the driver process, all threads) "
+        "with workers that answer at once"
     )
     print(
-        f"{'W':>4} | {'k steps':>7} | {'chunks':>6} | {'CPU ms/chunk':>12} | {'CPU ms/step':>11} | {'wall ms/chunk':>13} | "
-        f"{'CPU/wall':>8} | {'submit':>6} | {'gather':>6}"
+        f"{'W':>4} | {'k steps':>7} | {'chunks':>6} | {'CPU ms/chunk':>12} | {'CPU ms/step':>11} | "
+        f"{'wall ms/chunk':>13} | {'CPU/wall':>8} | {'submit':>6} | {'gather':>6}"
     )
     for r in rows:
         print(
@@ -308,7 +313,8 @@ def print_b(rows: list[dict[str, Any]]) -> None:
 
 
 def pickling(world: int) -> None:
-    """Where a rank's step goes in ``submit``: the Sampler's shard and pickling it (torch tensor, or the same as numpy)."""
+    """Where a rank's step goes in ``submit``: the Sampler's shard and pickling it (torch tensor, or the same as
+    numpy)."""
     import ray.cloudpickle as pickle
 
     sampler = Sampler(0, BATCH, BATCH * 200, range(world, world + 1))
@@ -325,7 +331,8 @@ def pickling(world: int) -> None:
         cost[name] = ((time.process_time() - start) / 2000 * 1e6, len(pickle.dumps([(0, value)])))
     print(
         f"  per rank per step at W={world}: Sampler shard {shard_us:.1f} us; pickling its (epoch, indices) "
-        f"{cost['torch'][0]:.0f} us / {cost['torch'][1]} B as a torch tensor, {cost['numpy'][0]:.0f} us / {cost['numpy'][1]} B as numpy"
+        f"{cost['torch'][0]:.0f} us / {cost['torch'][1]} B as a torch tensor, "
+        f"{cost['numpy'][0]:.0f} us / {cost['numpy'][1]} B as numpy"
     )
 
 

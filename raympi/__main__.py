@@ -29,7 +29,10 @@ _RAY = r"""
 import ray
 ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
 res = ray.cluster_resources()
-print(f"{len([n for n in ray.nodes() if n['Alive']])} node(s): " + ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if "node:" not in k))
+print(
+    f"{len([n for n in ray.nodes() if n['Alive']])} node(s): "
+    + ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()) if "node:" not in k)
+)
 """
 
 

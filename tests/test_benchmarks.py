@@ -76,7 +76,8 @@ def test_restarts_soak_quick():
 
 
 def test_compare_quick():
-    """benchmarks/compare.py --quick: raympi, the mpiexec template, the floor and the raw allreduce run; the template ends with raympi's parameters."""
+    """benchmarks/compare.py --quick: raympi, the mpiexec template, the floor and the raw allreduce run; the template
+    ends with raympi's parameters."""
     proc = _quick("compare.py", 300)
     assert re.search(
         r"^model\s+\|\s+W\s+\|\s+contender\s+\|\s+min\s+\|\s+median\s+\|\s+max\s+\|\s+ratio\s+\|", proc.stdout, re.M
@@ -181,7 +182,8 @@ def test_malloc_arenas_quick():
 # slow: ~20 s; the driver's flat RSS on a lazy dataset is asserted by tests/test_data.py
 @pytest.mark.slow
 def test_driver_memory_quick():
-    """benchmarks/driver_memory.py --quick: a lazy Dataset of two sizes, the driver's RSS growth and start time for each."""
+    """benchmarks/driver_memory.py --quick: a lazy Dataset of two sizes, the driver's RSS growth and start time for
+    each."""
     proc = _quick("driver_memory.py", 300)
     for label in ("lazy, 4 MB nominal", "lazy, 400 MB nominal", "in-memory tensors \\(control\\)"):
         row = re.search(

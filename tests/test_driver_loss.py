@@ -26,7 +26,8 @@ import torch
 
 import raympi
 
-TOTAL = 64  # 1024 samples / batch 32 = 32 steps an epoch, 2 epochs: the kill lands in the first, the resume crosses into the second
+# 1024 samples / batch 32 = 32 steps an epoch, 2 epochs: the kill lands in the first, the resume crosses into the second
+TOTAL = 64
 
 DRIVER = """
 import json, sys, time, torch, raympi
@@ -49,11 +50,12 @@ model = Slow(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 2))
 g = torch.Generator().manual_seed(0)
 x = torch.randn(1024, 20, generator=g); y = (x[:, 0] + x[:, 1] > 0).long()
 seen = FirstStep()
-result = raympi.fit(model, (x, y), workers=2, epochs=2, batch_size=32, seed=1, checkpoint_dir=folder, checkpoint_every=10,
-                    optimizer=raympi.optim.sgd(0.05, momentum=0.9), progress=False, address=address, resume=resume,
-                    callbacks=[seen])
+result = raympi.fit(model, (x, y), workers=2, epochs=2, batch_size=32, seed=1, checkpoint_dir=folder,
+                    checkpoint_every=10, optimizer=raympi.optim.sgd(0.05, momentum=0.9), progress=False,
+                    address=address, resume=resume, callbacks=[seen])
 torch.save(result.state.params, params_out)
-print(json.dumps({"first_step": seen.first, "steps": [r["step"] for r in result.metrics], "restarts": [{k: r.get(k) for k in ("kind", "path", "cause")} for r in result.restarts]}), flush=True)
+print(json.dumps({"first_step": seen.first, "steps": [r["step"] for r in result.metrics],
+                  "restarts": [{k: r.get(k) for k in ("kind", "path", "cause")} for r in result.restarts]}), flush=True)
 """
 
 

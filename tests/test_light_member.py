@@ -93,8 +93,10 @@ def test_buffers_it_cannot_sum_in_place_are_refused():
 def test_import_raympi_comm_without_torch():
     """``import raympi.comm`` (the package's __init__ included) in a process where torch cannot be imported."""
     code = (
-        BLOCK_TORCH
-        + "import raympi.comm\nfrom raympi.comm import Communicator, Member, form\nassert 'torch' not in sys.modules\nprint('ok')\n"
+        BLOCK_TORCH + "import raympi.comm\n"
+        "from raympi.comm import Communicator, Member, form\n"
+        "assert 'torch' not in sys.modules\n"
+        "print('ok')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ})
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-1500:]

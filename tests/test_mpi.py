@@ -38,7 +38,10 @@ _USE_CORE = (
     "import sys; assert 'ray' not in sys.modules, 'import raympi must not import Ray'\n"
     "print('core ok')\n"
 )
-_FIT = "import raympi, torch\nraympi.fit(torch.nn.Linear(3, 2), (torch.randn(8, 3), torch.zeros(8, dtype=torch.long)), batch_size=4)\n"
+_FIT = (
+    "import raympi, torch\n"
+    "raympi.fit(torch.nn.Linear(3, 2), (torch.randn(8, 3), torch.zeros(8, dtype=torch.long)), batch_size=4)\n"
+)
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,8 @@ def _recovered(result: dict, fired: dict, reference: dict) -> dict:
     record["failure_to_next_step_s"] = min(after) - fired["time"]
     print(
         f"\n{record['kind']}: detected {record['detect_s']:.2f} s after the failure, path {record['path']}, "
-        f"recovery {record.get('recovery_s', float('nan')):.2f} s, failure -> next step {record['failure_to_next_step_s']:.2f} s "
+        f"recovery {record.get('recovery_s', float('nan')):.2f} s, "
+        f"failure -> next step {record['failure_to_next_step_s']:.2f} s "
         f"{record.get('warm_skipped', '')}{record.get('warm_error', '')}"
     )
     return record

@@ -174,7 +174,8 @@ def test_old_states_are_the_dicts_of_the_new_fields():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_manifest_layout_unchanged(name):
-    """resume=True compares the manifest's optimizer layout: an old manifest's equals the new one of the same optimizer."""
+    """resume=True compares the manifest's optimizer layout: an old manifest's equals the new one of the same
+    optimizer."""
     from raympi.driver.fit import _optimizer_layout
 
     assert _optimizer_layout(CASES[name], old.model()) == OLD_LAYOUTS[name]

@@ -4,7 +4,8 @@ The shipped file is used as is except for the addresses, the SSH user and the ke
 tests/netns.py, :class:`SshHosts`: each host is a network + PID + mount namespace with its
 own /tmp, homes shared like NFS).  The cycle: ``ray up -y``, wait for the autoscaler to bring
 both worker hosts up, ``ray exec`` examples/mnist.py --address auto on a subset, ``ray down``
-(plus ``ray stop`` over SSH on the worker hosts, which ``ray down`` leaves running), and then no Ray process, namespace or link may be left.
+(plus ``ray stop`` over SSH on the worker hosts, which ``ray down`` leaves running), and then no
+Ray process, namespace or link may be left.
 """
 
 from __future__ import annotations

@@ -201,7 +201,9 @@ def test_optimizer_layout_folds_parameters_and_older_checkpoints_still_resume():
     decay_weights_only = raympi.optim.adamw(1e-3, weight_decay=0.1, mask=lambda p: {n: n == "weight" for n in p})
     assert _optimizer_layout(decay_weights_only, model) == _optimizer_layout(raympi.optim.adamw(1e-3), model)
     assert _optimizer_layout(raympi.optim.sgd(0.1, momentum=0.9), model) == {"count": [], "trace": "per parameter"}
-    only = lambda name: raympi.optim.masked(raympi.optim.sgd(0.1, momentum=0.9), lambda p: {n: n == name for n in p})  # noqa: E731
+    only = lambda name: raympi.optim.masked(  # noqa: E731
+        raympi.optim.sgd(0.1, momentum=0.9), lambda p: {n: n == name for n in p}
+    )
     assert _optimizer_layout(only("weight"), model) == {
         "inner_state": {"count": [], "trace": {"per parameter": ["weight"]}}
     }

@@ -559,7 +559,8 @@ def test_first_step_does_not_import_dynamo():
         "from raympi.core.step import make_train_step\n"
         "m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))\n"
         "step = make_train_step(m, F.cross_entropy, optim.sgd(0.1))\n"
-        "state, metrics = step(TrainState.create(m, optim.sgd(0.1)), (torch.randn(5, 2, 2), torch.randint(0, 3, (5,))))\n"
+        "state, metrics = step(TrainState.create(m, optim.sgd(0.1)), "
+        "(torch.randn(5, 2, 2), torch.randint(0, 3, (5,))))\n"
         "assert int(state.step) == 1 and metrics['samples'] == 5\n"
         "print('dynamo' if 'torch._dynamo' in sys.modules else 'clean')\n"
     )

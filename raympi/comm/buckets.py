@@ -137,7 +137,8 @@ class BucketAllreduce:
             host = self._pinned[index] = torch.empty(bucket.numel(), dtype=wire, pin_memory=True)
         side = self._side.get(bucket.device)
         if side is None:
-            side = self._side[bucket.device] = torch.cuda.Stream(bucket.device)  # type: ignore[no-untyped-call]  # unannotated
+            # torch.cuda.Stream is unannotated
+            side = self._side[bucket.device] = torch.cuda.Stream(bucket.device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(bucket.device))  # after the kernels that wrote the bucket
         with torch.cuda.stream(side):
             host.copy_(bucket, non_blocking=True)

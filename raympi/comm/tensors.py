@@ -110,7 +110,8 @@ def unpack_tree(spec: Any, layout: list[Any], payload: torch.Tensor) -> Any:
 
 
 def sum_16bit(name: str) -> Any:
-    """An MPI reduction function summing buffers of 16-bit floats (``name``: a key of :data:`WIRE`; MPI has no such type)."""
+    """An MPI reduction function summing buffers of 16-bit floats (``name``: a key of :data:`WIRE`; MPI has no such
+    type)."""
     dtype = WIRE[name]
 
     def op(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:

@@ -62,7 +62,9 @@ class EarlyStopping(Callback):
         min_delta: the least change that counts as an improvement.
 
     Example:
-        >>> raympi.fit(model, data, eval_dataset=held_out, callbacks=[EarlyStopping("eval_loss", patience=3)])  # doctest: +SKIP
+        >>> raympi.fit(  # doctest: +SKIP
+        ...     model, data, eval_dataset=held_out, callbacks=[EarlyStopping("eval_loss", patience=3)]
+        ... )
     """
 
     def __init__(self, metric: str = "eval_loss", patience: int = 3, mode: str = "min", min_delta: float = 0.0) -> None:

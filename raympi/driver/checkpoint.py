@@ -88,7 +88,8 @@ class CheckpointStore(AtomicFolders):
 
     def request(self, actor: Any, step: int) -> Any:
         """Ask rank 0 (``actor``) for its state after ``step``, queued behind the steps sent to it: an
-        object ref of the state, or with ``direct_bytes`` a :class:`DirectRequest` (pass either to :meth:`save_async`)."""
+        object ref of the state, or with ``direct_bytes`` a :class:`DirectRequest` (pass either to
+        :meth:`save_async`)."""
         if self.direct_bytes is None:
             return actor.state_dict.remote()
         self._seq += 1
@@ -156,7 +157,8 @@ class CheckpointStore(AtomicFolders):
         return pytree.from_arrays(got)  # zero-copy views
 
     def _save_direct(self, request: DirectRequest, manifest: dict[str, Any]) -> str | None:
-        """Commit what rank 0 writes into ``request.tmp``; a small state (or storage rank 0 cannot see) is written here."""
+        """Commit what rank 0 writes into ``request.tmp``; a small state (or storage rank 0 cannot see) is written
+        here."""
         step = int(manifest["step"])
         try:
             snapshot = self._fetch_snapshot(request, manifest)

@@ -75,7 +75,8 @@ def await_write(request: DirectRequest, step: int, timeout_s: float) -> dict[str
             last, since = status["written"], time.monotonic()
         elif time.monotonic() - since > timeout_s:
             raise WorkerLostError(
-                f"rank 0's write of the checkpoint of step {step} made no progress for {timeout_s:g} s (startup_timeout_s)"
+                f"rank 0's write of the checkpoint of step {step} made no progress for {timeout_s:g} s "
+                "(startup_timeout_s)"
             )
         time.sleep(pause)
         pause = min(0.5, pause * 2)

@@ -36,7 +36,8 @@ class MPIConfig(BaseModel):
 
     netmod: Literal["auto", "ofi", "ucx"] = Field(
         "auto",
-        description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx when the cluster is one host, ofi when ranks may span hosts",
+        description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx when the cluster is one host, "
+        "ofi when ranks may span hosts",
     )
     provider: Optional[str] = Field("tcp", description="libfabric provider with netmod='ofi' (FI_PROVIDER)")
     interface: Optional[str] = Field(
@@ -96,7 +97,9 @@ class FitConfig(BaseModel):
     direct_checkpoint_bytes: Optional[int] = Field(
         2**30,
         ge=0,
-        description="a state of at least this many bytes is written by rank 0 straight to checkpoint_dir (copied, then written in the background), never through the driver; None: the driver writes every checkpoint. With workers on other nodes than the driver, checkpoint_dir must be shared storage or an fsspec URL",
+        description="a state of at least this many bytes is written by rank 0 straight to checkpoint_dir (copied, "
+        "then written in the background), never through the driver; None: the driver writes every checkpoint. With "
+        "workers on other nodes than the driver, checkpoint_dir must be shared storage or an fsspec URL",
     )
     resume: bool = False
     progress: Optional[bool] = Field(None, description="progress bar; default: when stderr is a terminal")
@@ -109,7 +112,8 @@ class FitConfig(BaseModel):
     spares: Optional[int] = Field(
         None,
         ge=0,
-        description="hot spare workers kept ready outside the communicator; default 1 when the cluster has room beyond workers, else 0",
+        description="hot spare workers kept ready outside the communicator; default 1 when the cluster has room beyond "
+        "workers, else 0",
     )
     max_restarts: int = Field(
         3, ge=0, description="infrastructure failures (lost worker or node, hung rank) survived before giving up"
@@ -121,21 +125,27 @@ class FitConfig(BaseModel):
     step_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="the longest the ranks the driver waits on may go without finishing a step (or an evaluation batch): "
-        "a collective hung with every rank alive is noticed after this; a stopped or cut-off rank much sooner, by the heartbeat",
+        description="the longest the ranks the driver waits on may go without finishing a step "
+        "(or an evaluation batch): a collective hung with every rank alive is noticed after this; "
+        "a stopped or cut-off rank much sooner, by the heartbeat",
     )
     bucket_bytes: int = Field(16 * 2**20, ge=1024, description="bytes per MPI_Allreduce bucket")
     compression: Optional[Literal["bf16", "fp16"]] = Field(
         None,
-        description="send float32 gradients as 16-bit floats (half the bytes; the optimizer stays float32); see the README's performance notes",
+        description="send float32 gradients as 16-bit floats (half the bytes; the optimizer stays float32); "
+        "see the README's performance notes",
     )
     overlap: Optional[bool] = Field(
         None,
-        description="sum gradient buckets over the ranks while backward still runs, as DDP does; default: on with GPUs, off on CPUs, where it did not pay (benchmarks/README.md); not with compression",
+        description="sum gradient buckets over the ranks while backward still runs, as DDP does; default: "
+        "on with GPUs, off on CPUs, where it did not pay (benchmarks/README.md); not with compression",
     )
     grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = Field(
         "auto",
-        description="how gradients are summed: 'mpi' (the communicator; GPU gradients staged through host memory), 'nccl' (a NCCL process group built from the MPI communicator; one GPU per worker), 'gloo' (the same path on CPU); 'auto': nccl for workers with a whole GPU each, mpi otherwise (faster than gloo on CPU, benchmarks/README.md)",
+        description="how gradients are summed: 'mpi' (the communicator; GPU gradients staged through host memory), "
+        "'nccl' (a NCCL process group built from the MPI communicator; one GPU per worker), "
+        "'gloo' (the same path on CPU); 'auto': nccl for workers with a whole GPU each, mpi otherwise (faster than "
+        "gloo on CPU, benchmarks/README.md)",
     )
     fp32_reduce: bool = Field(
         False, description="nccl/gloo: sum 16-bit gradients in float32 (twice the bytes); mpi always does"
@@ -143,12 +153,14 @@ class FitConfig(BaseModel):
     loader_workers: Optional[int] = Field(
         None,
         ge=0,
-        description="processes per worker reading a map-style Dataset ahead of the step (0: in the step's thread); default: the worker's CPUs minus one, at most 4",
+        description="processes per worker reading a map-style Dataset ahead of the step (0: in the step's thread); "
+        "default: the worker's CPUs minus one, at most 4",
     )
     torch_threads: Optional[int] = Field(None, ge=1, description="torch threads per worker; default the worker's CPUs")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
-        description="mixed precision: forward and loss under autocast, float32 master weights; fp16 adds dynamic loss scaling",
+        description="mixed precision: forward and loss under autocast, float32 master weights; "
+        "fp16 adds dynamic loss scaling",
     )
     accumulate: int = Field(
         1, ge=1, description="micro-batches per step on each rank (gradient accumulation): less memory, the same update"
@@ -185,7 +197,8 @@ class FitConfig(BaseModel):
             raise ValueError(f"min_workers={self.min_workers} is larger than workers={self.workers}")
         if self.overlap and self.compression:
             raise ValueError(
-                f"overlap=True does not combine with compression={self.compression!r}: set overlap=False or compression=None"
+                f"overlap=True does not combine with compression={self.compression!r}: "
+                "set overlap=False or compression=None"
             )
         if self.compression and self.grad_transport in ("nccl", "gloo"):
             raise ValueError(
@@ -204,7 +217,8 @@ class FitConfig(BaseModel):
             )
         if self.batch_size < self.workers:
             raise ValueError(
-                f"batch_size={self.batch_size} is smaller than workers={self.workers}: every worker needs at least one sample per step"
+                f"batch_size={self.batch_size} is smaller than workers={self.workers}: "
+                "every worker needs at least one sample per step"
             )
         return self
 

@@ -316,7 +316,8 @@ def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if None not in (was, now_opt) and was != now_opt:
         out.append(
             f"the optimizer state was {json.dumps(was)}, now {json.dumps(now_opt)} (another optimizer, or one "
-            "with other state; a new learning rate or schedule is fine, unless inject_hyperparams keeps it in the state)"
+            "with other state; a new learning rate or schedule is fine, unless inject_hyperparams keeps it in the "
+            "state)"
         )
     return out
 

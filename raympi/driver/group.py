@@ -25,8 +25,10 @@ from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
 
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
+# a suspected rank that does not answer a ping within this while others do is hung
 SUSPECT_PING_S = 1.5
-SPARE_PING_S = 0.5  # an idle hot spare that does not answer a ping within this is left out of a derivation  # a suspected rank that does not answer a ping within this while others do is hung
+# an idle hot spare that does not answer a ping within this is left out of a derivation
+SPARE_PING_S = 0.5
 # glibc settings of CPU workers: freed gradient-sized blocks stay in the heap (else each step's fresh
 # gradients page-fault tens of MB back in: up to 28 ms a step on a 5.8M MLP), in one arena (the step's
 # Ray thread got one that glibc shrinks on free: benchmarks/malloc_arenas.py).
@@ -432,13 +434,17 @@ class WorkerGroup:
                             self._failure(
                                 FailureKind.HUNG,
                                 f"{what}: rank(s) {stuck} stopped answering "
-                                f"(a ping unanswered for {watch.limit() if watch else SILENT_S:.2g} s while the others replied)",
+                                f"(a ping unanswered for {watch.limit() if watch else SILENT_S:.2g} s "
+                                "while the others replied)",
                                 stuck,
                             )
                         ) from None
         except Expired as expired:
             stuck = self.silent(sorted(rank_of[r] for r in expired.pending))
-            message = f"{what}: rank(s) {stuck} made no progress within {deadline.setting} (hung process, cut link, or too small a deadline)"
+            message = (
+                f"{what}: rank(s) {stuck} made no progress within {deadline.setting} "
+                "(hung process, cut link, or too small a deadline)"
+            )
             if startup:
                 raise CapacityError(message) from None
             raise Failed(self._failure(FailureKind.HUNG, message, stuck)) from None
@@ -520,7 +526,8 @@ class WorkerGroup:
                 raise TrainingError(
                     f"{what}: {label} died on a live node before it could run ({str(exc).splitlines()[0]}). "
                     "Workers die like this when they cannot unpickle the model, loss or optimizer: make the modules "
-                    "that define them importable on every node (ray.init(runtime_env={'working_dir': ...} or 'py_modules'))"
+                    "that define them importable on every node "
+                    "(ray.init(runtime_env={'working_dir': ...} or 'py_modules'))"
                 ) from None
             message = f"{what}: {label} died ({type(exc).__name__}: {str(exc).splitlines()[0]})"
             raise Failed(self._failure(FailureKind.WORKER_LOST, message, [rank])) from None

@@ -44,7 +44,8 @@ class ChunkPlan:
         return min(ends)
 
     def wants_eval(self, step: int) -> bool:
-        """Whether to evaluate after ``step``: every ``eval_every`` steps, else at each epoch's end and the last step."""
+        """Whether to evaluate after ``step``: every ``eval_every`` steps, else at each epoch's end and the last
+        step."""
         if not self.has_eval:
             return False
         if self.eval_every:

@@ -235,8 +235,8 @@ def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capac
     if run.failures >= config.max_restarts:
         return Raise(
             RestartsExhaustedError(
-                f"training failed {run.failures + 1} times, more than max_restarts={config.max_restarts}; last failure: "
-                f"{failure.cause}. {resume_hint(run)}"
+                f"training failed {run.failures + 1} times, more than max_restarts={config.max_restarts}; "
+                f"last failure: {failure.cause}. {resume_hint(run)}"
             )
         )
     return Warm(survivors=survivors, failed=failed) if warm else Cold()

@@ -11,7 +11,8 @@ __all__ = ["Announcer", "MetricsLog", "Progress", "read_metrics", "write_plot"]
 
 
 class Announcer:
-    """Says what a slow start is doing ("starting 2 workers", "joining MPI"), one line each, with the time since the first.
+    """Says what a slow start is doing ("starting 2 workers", "joining MPI"), one line each, with the time since the
+    first.
 
     Quiet when ``enabled`` is False (``progress=False``), except for :meth:`warn`.
     """
@@ -127,7 +128,8 @@ class MetricsLog:
         self.path, self.fs, self.written = path, fs, written
 
     def append(self, history: Any) -> None:
-        """Write the records of ``history`` (a :class:`~raympi.driver.run_state.History`) after the last step written."""
+        """Write the records of ``history`` (a :class:`~raympi.driver.run_state.History`) after the last step
+        written."""
         new = history.after(self.written)
         if not new:
             return

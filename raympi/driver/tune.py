@@ -70,8 +70,11 @@ def trainable(
         What ``tune.Tuner`` takes: ``tune.with_resources(train_fn, PlacementGroupFactory(...))``.
 
     Example:
-        >>> tuner = tune.Tuner(raympi.tune.trainable(train_fn, workers=2), param_space={"lr": tune.loguniform(1e-4, 1e-1)},
-        ...                    tune_config=tune.TuneConfig(metric="eval_loss", mode="min", scheduler=ASHAScheduler()))  # doctest: +SKIP
+        >>> tuner = tune.Tuner(  # doctest: +SKIP
+        ...     raympi.tune.trainable(train_fn, workers=2),
+        ...     param_space={"lr": tune.loguniform(1e-4, 1e-1)},
+        ...     tune_config=tune.TuneConfig(metric="eval_loss", mode="min", scheduler=ASHAScheduler()),
+        ... )
     """
     from ray import tune
 

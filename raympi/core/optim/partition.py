@@ -7,9 +7,10 @@ flat dict name -> tensor (``TrainState.params``); which parameter goes where
 is static, decided by a dict or a callable evaluated on the parameters, and
 lives in the closure, never in the state, so states stay trees of tensors
 (:class:`~raympi.core.optim.states.MaskedState`,
-:class:`~raympi.core.optim.states.MultiTransformState`).  Each group runs through :func:`~raympi.core.optim.apply_gradients`
-on its own sub-dict, so an inner optimizer with a ``fused_apply`` keeps its
-fast path and ``donate`` still writes in place.
+:class:`~raympi.core.optim.states.MultiTransformState`).  Each group runs
+through :func:`~raympi.core.optim.apply_gradients` on its own sub-dict, so an
+inner optimizer with a ``fused_apply`` keeps its fast path and ``donate``
+still writes in place.
 """
 
 from __future__ import annotations

@@ -138,7 +138,8 @@ assert len(_BY_KEYS) == len(STATE_TYPES), (
 )
 _INNER, _INNERS = "inner_state", "inner_states"  # the fields that hold further states
 
-# Let torch.load(weights_only=True) read a state saved as it is (torch.save(opt_state)), in a process that imported raympi.
+# Let torch.load(weights_only=True) read a state saved as it is (torch.save(opt_state)), in a process that
+# imported raympi.
 torch.serialization.add_safe_globals(list(STATE_TYPES))
 
 
