@@ -83,21 +83,8 @@ from raympi.core.optim.base import (
 )
 from raympi.core.optim.partition import masked, multi_transform, set_to_zero
 from raympi.core.optim.schedule import constant, cosine_decay, linear_warmup
-from raympi.core.optim.states import (
-    ApplyIfFiniteState,
-    EmaState,
-    EmptyState,
-    FromTorchState,
-    InjectHyperparamsState,
-    MaskedState,
-    MultiTransformState,
-    ScaleByAdamState,
-    ScaleByScheduleState,
-    TraceState,
-    find_states,
-    from_plain,
-    to_plain,
-)
+from raympi.core.optim import states
+from raympi.core.optim.states import *  # noqa: F403  (its __all__: the states and their plain-dict form)
 from raympi.core.optim.transform import (
     add_decayed_weights,
     clip_by_global_norm,
@@ -134,17 +121,5 @@ __all__ = [
     "ema",
     "ema_params",
     "apply_if_finite",
-    "EmptyState",
-    "ScaleByScheduleState",
-    "TraceState",
-    "ScaleByAdamState",
-    "EmaState",
-    "FromTorchState",
-    "MaskedState",
-    "MultiTransformState",
-    "InjectHyperparamsState",
-    "ApplyIfFiniteState",
-    "find_states",
-    "to_plain",
-    "from_plain",
 ]
+__all__ += states.__all__

@@ -40,6 +40,19 @@ __all__ = ["sgd", "adam", "adamw", "from_torch"]
 # "the same formula" is not enough to stay together for hundreds of steps.
 
 
+def _fused_inputs(
+    grads: Updates, params: Params, lr: ScalarOrSchedule, count: torch.Tensor, l2: float
+) -> tuple[Tensors, Any, list[torch.Tensor], float, torch.Tensor]:
+    """What a fused step starts from: the gradients' leaves (``l2``: L2 weight decay added, fresh
+    tensors), their tree spec, the parameters' leaves, this step's learning rate and the next count."""
+    g: Tensors
+    g, spec = pytree.flatten(grads)
+    p = pytree.leaves(params)
+    if l2:
+        g = torch._foreach_add(g, p, alpha=l2)
+    return g, spec, p, lr_at(lr, count), count + 1
+
+
 def sgd(
     lr: ScalarOrSchedule,
     momentum: float = 0.0,
@@ -77,14 +90,8 @@ def sgd(
         return ScaleByScheduleState(new_count())
 
     def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
-        g: Tensors  # the gradients' leaves, then (weight decay, momentum) tuples from the foreach ops
-        g, spec = pytree.flatten(grads)
-        p = pytree.leaves(params)
-        value = lr_at(lr, state.count)
-        count = state.count + 1
+        g, spec, p, value, count = _fused_inputs(grads, params, lr, state.count, l2=weight_decay)
         new_state: ScaleByScheduleState | TraceState = ScaleByScheduleState(count)
-        if weight_decay:
-            g = torch._foreach_add(g, p, alpha=weight_decay)
         if momentum:
             buf = scaled(pytree.leaves(state.trace), momentum, donate)
             torch._foreach_add_(buf, g)  # buf is fresh or donated: in place is safe
@@ -111,14 +118,8 @@ def _adam(
     check_betas(b1, b2)
 
     def fused_apply(grads: Updates, state: OptState, params: Params, donate: bool = False) -> tuple[Params, OptState]:
-        g: Tensors  # the gradients' leaves, then (weight decay, momentum) tuples from the foreach ops
-        g, spec = pytree.flatten(grads)
-        p = pytree.leaves(params)
-        value = lr_at(lr, state.count)
-        count = state.count + 1
+        g, spec, p, value, count = _fused_inputs(grads, params, lr, state.count, l2=0.0 if decoupled else weight_decay)
         t = int(count)
-        if weight_decay and not decoupled:
-            g = torch._foreach_add(g, p, alpha=weight_decay)
         mu, nu, denom, bc1 = adam_moments(g, pytree.leaves(state.mu), pytree.leaves(state.nu), b1, b2, eps, t, donate)
         if weight_decay and decoupled and mask is not None:
             # torch.optim.AdamW with a weight_decay=0 group for the others: their ``p`` is not scaled at all.
