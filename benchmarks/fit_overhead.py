@@ -6,6 +6,8 @@ processes, data and step are identical), interleaved run by run:
     workers only   one ``Worker.run`` call per rank carrying every timed step: no driver in the loop at all
     fit            ``raympi.fit``: the driver's chunk pipeline, metrics records, progress (checkpoint_every=0)
     fit + ckpt/20  ``raympi.fit`` with ``checkpoint_every=20``: rank 0's state to the driver, written to disk
+    fit, kept      ``raympi.fit(keep_workers=True)`` right after another such fit: in the worker processes that
+                   one kept (no process started, torch not imported again); the earlier fit is not timed
 
 Steady ms/step: fit's from the driver-observed times of its metrics records, from the end of the first chunk
 past the warm-up to the last step; workers-only from the wall time of its single timed call.
@@ -93,10 +95,14 @@ def workers_only(name: str, steps: int, warmup: int, tmp: str) -> dict:
         group.shutdown()
 
 
-def run_fit(name: str, steps: int, warmup: int, tmp: str, checkpoint_every: int) -> dict:
+def run_fit(name: str, steps: int, warmup: int, tmp: str, checkpoint_every: int, kept: bool = False) -> dict:
     x, y = _dataset(steps)
+    options = _options(tmp, checkpoint_every=checkpoint_every, keep_workers=kept)
+    if kept:  # the fit whose workers this one takes
+        raympi.fit(_model(name), (x, y), workers=WORLD, **options)
     start = time.time()
-    result = raympi.fit(_model(name), (x, y), workers=WORLD, **_options(tmp, checkpoint_every=checkpoint_every))
+    result = raympi.fit(_model(name), (x, y), workers=WORLD, **options)
+    raympi.release_workers()
     times = {r["step"]: r["time"] for r in result.metrics}
     # All records of one chunk carry its end time: time from the end of the chunk holding step `warmup`.
     t0 = times[warmup]
@@ -120,6 +126,7 @@ def main() -> None:
         "workers only": lambda n, t: workers_only(n, args.steps, args.warmup, t),
         "fit": lambda n, t: run_fit(n, args.steps, args.warmup, t, 0),
         "fit + ckpt/20": lambda n, t: run_fit(n, args.steps, args.warmup, t, 20),
+        "fit, kept": lambda n, t: run_fit(n, args.steps, args.warmup, t, 0, kept=True),
     }
     rows: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,6 +35,7 @@ _LAZY = {
     "FitConfig": "raympi.driver.config",
     "MPIConfig": "raympi.driver.config",
     "load_checkpoint": "raympi.driver.checkpoint",
+    "release_workers": "raympi.driver.pool",
     "LossScaling": "raympi.core",
     "TrainState": "raympi.core",
     "make_eval_step": "raympi.core",
@@ -78,5 +79,6 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "optim",
+    "release_workers",
     "tune",
 ]

@@ -87,6 +87,20 @@ def _shared_ray_only_where_asked(request):
     yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _integration_fits_keep_their_workers(request):
+    """In the integration tier a ``fit`` takes the worker processes the previous one kept (``keep_workers``,
+    README): a test pays for its model and data, not for starting processes and importing torch again.
+    Starting afresh stays covered: the first fit of a shape, every other tier, and the tests that set
+    ``keep_workers=False``."""
+    if tier_of(request.node.name.rsplit("/", 1)[-1].removesuffix(".py")) != "integration":
+        yield
+        return
+    os.environ["RAYMPI_KEEP_WORKERS"] = "1"
+    yield
+    del os.environ["RAYMPI_KEEP_WORKERS"]
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     """A private local Ray instance (never a stale cluster recorded on the machine), started once and

@@ -27,8 +27,8 @@ class FakeGroup:
     def pending_ready(self) -> bool:
         return False
 
-    def shutdown(self) -> None:
-        self.closed = True
+    def shutdown(self, park: bool = False) -> None:
+        self.closed, self.parked = True, park
 
     # The warm path: a chunk's "refs" here are the results themselves (or LOST), already there.
 

@@ -105,9 +105,10 @@ def test_compare_quick():
 # slow: ~15 s; fit with checkpoints is covered throughout tests/test_fit.py and tests/test_checkpoint.py
 @pytest.mark.slow
 def test_fit_overhead_quick():
-    """benchmarks/fit_overhead.py --quick: fit, fit with checkpoints and the driverless workers all step."""
+    """benchmarks/fit_overhead.py --quick: fit, fit with checkpoints, fit in kept workers and the driverless
+    workers all step."""
     proc = _quick("fit_overhead.py", 240)
-    for mode in ("workers only", "fit", r"fit \+ ckpt/20"):
+    for mode in ("workers only", "fit", r"fit \+ ckpt/20", "fit, kept"):
         assert re.search(
             rf"^cnn\s+\|\s+{mode}\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+\s+\|\s+[0-9.]+", proc.stdout, re.M
         ), proc.stdout

@@ -98,6 +98,17 @@ def test_every_group_keeps_the_hot_spare_decided_when_the_run_started(tmp_path, 
     assert [(g.world, g.options["spares"]) for g in FakeGroup.made] == [(3, spares), (3, spares)]
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_only_the_group_of_a_run_that_ended_well_is_parked_and_only_with_keep_workers(tmp_path, keep):
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
+    controller, store = _controller(tmp_path, pipeline, keep_workers=keep)
+    FakeGroup.made.clear()
+    controller.fit()
+    store.close()
+    assert [(g.closed, g.parked) for g in FakeGroup.made] == [(True, False), (True, keep)]
+
+
 def test_no_capacity_after_a_failure_is_the_policys_capacity_error(tmp_path):
     plan = ChunkPlan(total=20, steps_per_epoch=10, checkpoint_every=10)
     capacity = iter([1] * 1000)  # one worker's worth after the failure (the start asks none)
@@ -227,7 +238,7 @@ def test_no_spare_starts_outside_the_group_while_ray_places_a_lost_bundle_again(
     monkeypatch.setattr(group_module, "placement_group_table", lambda pg: {"state": state["value"]})
     monkeypatch.setattr(group_module.ray, "available_resources", lambda: {"CPU": 4.0})
     group = WorkerGroup.__new__(WorkerGroup)
-    group.pg, group.bundle, group.spares, spawned = object(), {"CPU": 1.0}, [], []
+    group.pg, group.bundle, group.spares, group.parked_spares, spawned = object(), {"CPU": 1.0}, [], [], []
 
     class Actor:
         class __ray_ready__:  # noqa: N801  (Ray's name)

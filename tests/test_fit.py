@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import procs
 import raympi
 from raympi.exceptions import ConfigError, TrainingError
 from raympi.exceptions import CapacityError
@@ -154,6 +155,7 @@ def test_truncated_newest_checkpoint_falls_back(ray_session, fashion, tmp_path):
     ],
 )
 def test_bad_options(ray_session, fashion, tmp_path, kwargs, error, words):
+    raympi.release_workers()  # the workers an earlier test's fit kept (keep_workers): this run must leave none
     options = dict(checkpoint_dir=str(tmp_path / "ck"), progress=False)
     options.update(kwargs)
     start = time.monotonic()
@@ -197,6 +199,50 @@ def test_progress_lines_when_not_a_terminal(ray_session, fashion, tmp_path, caps
     _fit(fashion[0], tmp_path, "p", workers=1, progress=None, max_steps=8)
     err = capsys.readouterr().err
     assert "raympi: step 8/8 epoch 1 loss" in err and "samples/s" in err
+
+
+def test_kept_workers_are_taken_by_the_next_fit_of_the_same_shape(ray_session, tmp_path):
+    """keep_workers: the next fit of the same shape runs in the processes the last one kept (none started) and
+    ends where a fresh run does; a parked worker that died is replaced; another shape, a fit that does not keep
+    workers, or release_workers() frees them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 784, generator=g)
+    data = (x, (x[:, 0] > 0).long())
+
+    def run(name, workers=2, **kw):
+        options = dict(batch_size=32, epochs=1, spares=0, progress=False, checkpoint_dir=str(tmp_path / name))
+        return raympi.fit(_net(), data, workers=workers, **{**options, **kw})
+
+    raympi.release_workers()
+    fresh = run("fresh", keep_workers=False)
+    assert _idle(ray_session) and procs.workers() == []
+    run("first", keep_workers=True)
+    kept = sorted(p.pid for p in procs.workers())
+    assert len(kept) == 2
+    again = run("again", keep_workers=True)
+    assert sorted(p.pid for p in procs.workers()) == kept  # the same two processes: none started, none ended
+    assert _max_diff(again.state, fresh.state) == 0.0
+
+    os.kill(kept[1], 9)  # a parked worker dies: the next fit starts afresh
+    after_loss = run("after_loss", keep_workers=True)
+    assert _max_diff(after_loss.state, fresh.state) == 0.0
+    assert len(procs.workers()) == 2 and kept[1] not in [p.pid for p in procs.workers()]
+
+    run("other_shape", workers=1, keep_workers=True)  # another shape: the two kept are ended, this one kept
+    assert len(procs.workers()) == 1
+    run("not_kept", workers=1, keep_workers=False)
+    assert _idle(ray_session)
+    run("kept_again", workers=1, keep_workers=True)
+    raympi.release_workers()
+    assert _idle(ray_session)
+
+
+def _pids(n: int, wait_s: float = 15.0) -> list[int]:
+    """This test run's worker processes, once there are ``n`` (killed actors take a moment to exit)."""
+    deadline = time.monotonic() + wait_s
+    while len(found := sorted(p.pid for p in procs.workers())) != n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
 
 
 def test_example_runs_end_to_end(ray_session, tmp_path, capsys):

@@ -7,6 +7,8 @@ deadline is a field here, and the error that a deadline raises quotes it.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -114,6 +116,12 @@ class FitConfig(BaseModel):
         ge=0,
         description="hot spare workers kept ready outside the communicator; default 1 when the cluster has room beyond "
         "workers, else 0",
+    )
+    keep_workers: bool = Field(
+        default_factory=lambda: os.environ.get("RAYMPI_KEEP_WORKERS", "") == "1",
+        description="keep the worker processes when the run ends well, for the next fit of the same shape in this "
+        "driver (no new processes, torch not imported again); any other fit releases them. Default: the environment "
+        "variable RAYMPI_KEEP_WORKERS=1",
     )
     max_restarts: int = Field(
         3, ge=0, description="infrastructure failures (lost worker or node, hung rank) survived before giving up"

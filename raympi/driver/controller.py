@@ -99,7 +99,9 @@ class Controller:
                     failure = self.pipeline.run(self.group, self.run.step, self, self._stop_requested)
                     self.store.abandon_unsaved()  # checkpoints asked for in chunks that never completed
                 if failure is None:
-                    return self._finish()
+                    finished = self._finish()
+                    self._drop_group(park=self.cfg.keep_workers)
+                    return finished
                 # (a stop asked for by the user or a callback is no failure to recover from: not announced as one)
                 self._enter(
                     Phase.RECOVERING, announce=failure.kind not in (FailureKind.DRIVER_SIGTERM, FailureKind.EARLY_STOP)
@@ -343,9 +345,9 @@ class Controller:
     def _bundle(self) -> dict[str, float]:
         return worker_bundle(self.cfg, self.spec.device == "cuda")
 
-    def _drop_group(self) -> None:
+    def _drop_group(self, park: bool = False) -> None:
         if self.group is not None:
-            self.group.shutdown()
+            self.group.shutdown(park=park)
             self.group = None
 
     def _write_reports(self, plot: bool = False) -> None:

@@ -125,8 +125,8 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         announce("starting Ray" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "connecting to Ray")
     started_ray = _connect_ray(cfg) or started_ray
     try:
-        if started_ray:
-            cfg = _fit_local_cores(cfg, announce)
+        if started_ray:  # (and shut down at the end: no worker outlives this fit)
+            cfg = _fit_local_cores(cfg, announce).model_copy(update={"keep_workers": False})
         announce("shipping the data to the object store")
         use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
         if cfg.precision == "bf16" and not use_gpu and not cpu_has_native_bf16():

@@ -20,13 +20,14 @@ from raympi.driver.capacity import cluster_capacity, spans_hosts, worker_bundle
 from raympi.driver.config import FitConfig
 from raympi.driver.heartbeat import BEAT_S, SILENT_S, Heartbeat
 from raympi.driver.policy import Failed, Failure, FailureKind
-from raympi.driver import tune
+from raympi.driver import pool, tune
 from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
 
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
 # a suspected rank that does not answer a ping within this while others do is hung
 SUSPECT_PING_S = 1.5
+PARK_S = 2.0  # how long workers may take to drop a finished run before they are killed rather than kept
 # an idle hot spare that does not answer a ping within this is left out of a derivation
 SPARE_PING_S = 0.5
 # glibc settings of CPU workers: freed gradient-sized blocks stay in the heap (else each step's fresh
@@ -100,9 +101,29 @@ class WorkerGroup:
         self.refill: list[int] = []  # bundles freed by spares taken in, for new spares once re-formed
         deadline = Deadline(cfg.startup_timeout_s, "startup_timeout_s")
         self.bundle = worker_bundle(cfg, spec.device == "cuda")
+        # What parked workers must share with this group to be taken (pool.py): MPI's environment is read once.
+        self.key = (
+            world,
+            sorted(self.bundle.items()),
+            cfg.placement_strategy,
+            spec.device,
+            spec.torch_threads,
+            cfg.mpi,
+        )
+        parked = pool.take(self.key) if cfg.keep_workers and tune.current() is None else None
+        if parked is None:
+            pool.release()  # parked workers never hold what this group needs
+        elif not _answer(parked.actors + parked.spares):  # one died while parked: start afresh
+            pool.park(parked)
+            pool.release()
+            parked = None
+        self.parked_spares = parked.spares if parked else []
         try:
-            announce(f"placing {world} worker(s) of {self.bundle}")
-            self.bundles = self._place(deadline.sooner(place_timeout_s or cfg.startup_timeout_s))
+            if parked:
+                self.pg, self.bundles, self.actors = parked.pg, list(range(world)), parked.actors
+            else:
+                announce(f"placing {world} worker(s) of {self.bundle}")
+                self.bundles = self._place(deadline.sooner(place_timeout_s or cfg.startup_timeout_s))
             node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
             self.nodes = [node_of_bundle[i] for i in self.bundles]
             env = {**cfg.mpi.environment(multi_host=spans_hosts(self.bundle, self.nodes))}
@@ -113,10 +134,16 @@ class WorkerGroup:
             # runtime_env is started through Ray's setup process (measured: 2 actors ready in 2.2-3.2 s against
             # 1.8 s) and cannot be one of the worker processes Ray started ahead.
             self._spec_ref = ray.put(dataclasses.replace(spec, env=env))
-            announce(f"starting {world} worker(s) (each imports torch and unpickles the model and data)")
-            self.actors = [self._spawn(i, i) for i in range(world)]
+            if parked:
+                announce(f"reusing {world} worker(s) kept from the last fit (each unpickles the model and data)")
+                self.actors = parked.actors
+                ready = [a.reuse.remote(self._spec_ref, r) for r, a in enumerate(self.actors)]
+            else:
+                announce(f"starting {world} worker(s) (each imports torch and unpickles the model and data)")
+                self.actors = [self._spawn(i, i) for i in range(world)]
+                ready = [a.__ray_ready__.remote() for a in self.actors]
             self.gather(
-                [a.__ray_ready__.remote() for a in self.actors],
+                ready,
                 deadline,
                 "starting the workers",
                 startup=True,
@@ -175,6 +202,10 @@ class WorkerGroup:
             self._rescheduling() or any(ray.available_resources().get(k, 0) < v for k, v in self.bundle.items())
         ):
             return  # no room beyond the workers': a spare must never hold what they need
+        if bundle_index is None and self.parked_spares:  # a spare of the last fit, kept with its workers
+            actor = self.parked_spares.pop()
+            self.spares.append((actor, None, actor.reuse.remote(self._spec_ref, -1)))
+            return
         actor = self._spawn(bundle_index, rank=-1)
         self.spares.append((actor, bundle_index, actor.__ray_ready__.remote()))
 
@@ -541,13 +572,40 @@ class WorkerGroup:
         node = self.nodes[rank] if rank < len(self.nodes) else None
         return any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
 
-    def shutdown(self) -> None:
-        """Kill every actor and release the placement group (idempotent)."""
+    def _park(self) -> bool:
+        """Keep the workers, their placement group and the idle hot spares outside it for the next fit of
+        this shape (:mod:`raympi.driver.pool`), when the group is whole and every one of them answers."""
+        whole = self.owns_pg and self.pg is not None and self.bundles == list(range(self.world))
+        if not whole or self.pending or self.incoming or self.joining or self.lost or not self.actors:
+            return False
+        if len(placement_group_table(self.pg)["bundles"]) != self.world:
+            return False
+        ready = [a for a, b, ref in self.spares if b is None and ray.wait([ref], timeout=0)[0] and succeeded(ref)]
+        spares = ready + [a for a, b in self.joined if b is None] + self.parked_spares
+        calls = [a.park.remote() for a in self.actors + spares]
+        done, _ = ray.wait(calls, num_returns=len(calls), timeout=PARK_S)
+        if len(done) < len(calls) or not all(succeeded(ref) for ref in calls):
+            return False
+        pool.park(pool.Parked(self.key, pool.job(), self.pg, self.actors, spares))
+        kept = {id(a) for a in self.actors + spares}
+        self.spares = [s for s in self.spares if id(s[0]) not in kept]
+        self.joined = [j for j in self.joined if id(j[0]) not in kept]
+        self.actors, self.parked_spares, self.pg = [], [], None
+        return True
+
+    def shutdown(self, park: bool = False) -> None:
+        """Kill every actor and release the placement group (idempotent); ``park``: keep them for the next
+        fit instead, where the group allows it (``keep_workers``)."""
+        if park and self._park():
+            self.shutdown()  # what was not kept: spares still starting or in bundles
+            return
         joining = [self.joining[0]] if self.joining else []
         others = [a for a, _, _ in self.pending + self.spares] + [a for a, _ in self.joined + self.incoming]
+        others += self.parked_spares
         for actor in self.actors + others + joining:
             ray.kill(actor, no_restart=True)
         self.actors, self.pending, self.spares, self.joined, self.incoming, self.joining = [], [], [], [], [], None
+        self.parked_spares = []
         self.standby, self.lost = [], []
         if self.pg is not None and self.owns_pg:
             remove_placement_group(self.pg)
@@ -558,6 +616,13 @@ def _clean(trace: str) -> str:
     """A remote traceback without colour codes and without the ``^^^^`` marker lines."""
     lines = re.sub(r"\x1b\[[0-9;]*m", "", trace).splitlines()
     return "\n".join(line for line in lines if line.strip(" ^~"))
+
+
+def _answer(actors: list[Any]) -> bool:
+    """Whether every one of ``actors`` answers a ping within ``SUSPECT_PING_S``."""
+    pings = [a.ping.remote() for a in actors]
+    done, _ = ray.wait(pings, num_returns=len(pings), timeout=SUSPECT_PING_S)
+    return len(done) == len(pings) and all(succeeded(p) for p in pings)
 
 
 def succeeded(ref: Any) -> bool:

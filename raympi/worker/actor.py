@@ -37,6 +37,7 @@ from raympi.worker.sources import ArraySource, DatasetSource, StreamSource, arra
 __all__ = ["Worker", "WorkerSpec", "accuracy", "to_tensors"]
 
 EVAL_BATCH = 1024
+EXIT_WATCH = "raympi-exit-with-parent"  # the thread that ends a worker whose raylet is gone
 
 
 def accuracy(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -120,8 +121,25 @@ class Worker(comm.Member):
         # A spot reclaim sends SIGTERM: note it, finish the chunk, and let the driver take a checkpoint
         # and re-form the group without this rank (it kills us then).
         self.sigterm = False
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "sigterm", True))
-        _exit_with_parent()
+        if not any(t.name == EXIT_WATCH for t in threading.enumerate()):  # (a reused worker has both already)
+            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "sigterm", True))
+            _exit_with_parent()
+
+    def park(self) -> bool:
+        """Drop this run's model, state, data and gradient transport: the process waits, torch imported, to be
+        taken by the next ``fit`` of the same shape (:mod:`raympi.driver.pool`)."""
+        if self.grad_sync is not None and hasattr(self.grad_sync, "close"):
+            self.grad_sync.close()
+        for source in (self.source, self.eval_source):
+            if source is not None:
+                source.close()
+        self.writer.wait()
+        self.__dict__.update(grad_sync=None, source=None, eval_source=None, state=None, model=None, loss_fn=None)
+        return True
+
+    def reuse(self, spec: WorkerSpec, rank: int) -> None:
+        """Become a worker of a new run, as a freshly started one would (after :meth:`park`)."""
+        self.__init__(spec, rank)  # type: ignore[misc]
 
     def __repr__(self) -> str:  # Ray tags this actor's printed lines with it
         return f"rank {getattr(self, 'rank', '?')} on {getattr(self, 'host', '?')}"
@@ -336,7 +354,7 @@ def _exit_with_parent(period_s: float = 0.5) -> None:
             time.sleep(period_s)
         os._exit(1)
 
-    threading.Thread(target=watch, name="raympi-exit-with-parent", daemon=True).start()
+    threading.Thread(target=watch, name=EXIT_WATCH, daemon=True).start()
 
 
 def _source(data: Any, kind: str, spec: WorkerSpec, loader_workers: int | None = None) -> Any:

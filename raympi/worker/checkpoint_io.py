@@ -241,6 +241,11 @@ class DirectWriter:
         self._thread.start()
         return Snapshot(folder=folder, bytes=size, copy_s=done - copied, blocked_s=done - start)
 
+    def wait(self) -> None:
+        """Until the write in flight, if any, is done."""
+        if self._thread is not None:
+            self._thread.join()
+
     def _copy(self, tree: dict[str, Any]) -> dict[str, Any]:
         """``tree`` on the CPU, copied into the buffers of the previous copy where they fit (its write is done)."""
         leaves, spec = pytree.flatten(tree)
