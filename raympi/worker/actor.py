@@ -134,7 +134,8 @@ class Worker(comm.Member):
             if source is not None:
                 source.close()
         self.writer.wait()
-        self.__dict__.update(grad_sync=None, source=None, eval_source=None, state=None, model=None, loss_fn=None)
+        run = ("grad_sync", "source", "eval_source", "state", "model", "loss_fn", "optimizer", "writer", "train_step")
+        self.__dict__.update(dict.fromkeys((*run, "eval_step", "step_options"), None))
         return True
 
     def reuse(self, spec: WorkerSpec, rank: int) -> None:
