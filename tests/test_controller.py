@@ -256,6 +256,33 @@ def test_no_spare_starts_outside_the_group_while_ray_places_a_lost_bundle_again(
     assert spawned == [2, None] and len(group.spares) == 2
 
 
+def test_a_spare_kept_from_the_last_fit_is_used_first_even_with_no_room_left(monkeypatch):
+    """A parked spare (keep_workers) holds its resources already: no free room is needed to take it, and it
+    is taken before any new spare starts."""
+    import raympi.driver.group as group_module
+    from raympi.driver.group import WorkerGroup
+
+    monkeypatch.setattr(group_module, "placement_group_table", lambda pg: {"state": "CREATED"})
+    monkeypatch.setattr(group_module.ray, "available_resources", lambda: {"CPU": 0.0})
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.pg, group.bundle, group.spares, spawned = object(), {"CPU": 1.0}, [], []
+    group._spec_ref = "spec"
+
+    class Kept:
+        class reuse:  # noqa: N801  (the actor method's name)
+            @staticmethod
+            def remote(spec, rank):
+                return ("reused", spec, rank)
+
+    kept = Kept()
+    group.parked_spares = [kept]
+    monkeypatch.setattr(group, "_spawn", lambda bundle, rank: spawned.append(bundle))
+    group._start_spare(None)
+    assert group.spares == [(kept, None, ("reused", "spec", -1))] and group.parked_spares == [] and spawned == []
+    group._start_spare(None)
+    assert spawned == []  # no room for a new one
+
+
 @pytest.mark.parametrize(
     "kind, announced",
     [(FailureKind.EARLY_STOP, False), (FailureKind.COLLECTIVE, True)],

@@ -136,7 +136,6 @@ class WorkerGroup:
             self._spec_ref = ray.put(dataclasses.replace(spec, env=env))
             if parked:
                 announce(f"reusing {world} worker(s) kept from the last fit (each unpickles the model and data)")
-                self.actors = parked.actors
                 ready = [a.reuse.remote(self._spec_ref, r) for r, a in enumerate(self.actors)]
             else:
                 announce(f"starting {world} worker(s) (each imports torch and unpickles the model and data)")
@@ -198,14 +197,14 @@ class WorkerGroup:
 
     def _start_spare(self, bundle_index: int | None) -> None:
         """A hot spare in a freed bundle of the group, or outside the group where the cluster has room now."""
+        if bundle_index is None and self.parked_spares:  # a spare of the last fit: it holds its resources already
+            actor = self.parked_spares.pop()
+            self.spares.append((actor, None, actor.reuse.remote(self._spec_ref, -1)))
+            return
         if bundle_index is None and (
             self._rescheduling() or any(ray.available_resources().get(k, 0) < v for k, v in self.bundle.items())
         ):
             return  # no room beyond the workers': a spare must never hold what they need
-        if bundle_index is None and self.parked_spares:  # a spare of the last fit, kept with its workers
-            actor = self.parked_spares.pop()
-            self.spares.append((actor, None, actor.reuse.remote(self._spec_ref, -1)))
-            return
         actor = self._spawn(bundle_index, rank=-1)
         self.spares.append((actor, bundle_index, actor.__ray_ready__.remote()))
 
