@@ -117,9 +117,7 @@ class Controller:
         finally:
             _restore_signals(previous)
             self.progress.close()
-            if self.group is not None:
-                self.group.shutdown()
-                self.group = None
+            self._drop_group()
 
     def _enter(self, phase: Phase, announce: bool = True) -> None:
         if self.run.phase is not phase:

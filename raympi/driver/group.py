@@ -114,8 +114,7 @@ class WorkerGroup:
         if parked is None:
             pool.release()  # parked workers never hold what this group needs
         elif not _answer(parked.actors + parked.spares):  # one died while parked: start afresh
-            pool.park(parked)
-            pool.release()
+            pool.end(parked)
             parked = None
         self.parked_spares = parked.spares if parked else []
         try:

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import remove_placement_group
 
-__all__ = ["Parked", "job", "park", "release", "release_workers", "take"]
+__all__ = ["Parked", "end", "job", "park", "release", "release_workers", "take"]
 
 log = logging.getLogger("raympi")
 
@@ -59,11 +59,14 @@ def take(key: tuple[Any, ...]) -> Parked | None:
 
 
 def release() -> None:
-    """Kill every parked worker and remove its placement group (those of an ended Ray job are gone already)."""
+    """Kill every parked worker and remove its placement group."""
     while _parked:
-        entry = _parked.pop()
-        if not ray.is_initialized() or entry.job != job():
-            continue
+        end(_parked.pop())
+
+
+def end(entry: Parked) -> None:
+    """Kill ``entry``'s workers and remove its placement group (those of an ended Ray job are gone already)."""
+    if ray.is_initialized() and entry.job == job():
         for actor in entry.actors + entry.spares:
             ray.kill(actor, no_restart=True)
         remove_placement_group(entry.pg)

@@ -128,8 +128,7 @@ class Worker(comm.Member):
     def park(self) -> bool:
         """Drop this run's model, state, data and gradient transport: the process waits, torch imported, to be
         taken by the next ``fit`` of the same shape (:mod:`raympi.driver.pool`)."""
-        if self.grad_sync is not None and hasattr(self.grad_sync, "close"):
-            self.grad_sync.close()
+        self._close_grad_sync()
         for source in (self.source, self.eval_source):
             if source is not None:
                 source.close()
@@ -137,6 +136,11 @@ class Worker(comm.Member):
         run = ("grad_sync", "source", "eval_source", "state", "model", "loss_fn", "optimizer", "writer", "train_step")
         self.__dict__.update(dict.fromkeys((*run, "eval_step", "step_options"), None))
         return True
+
+    def _close_grad_sync(self) -> None:
+        """End the last communicator's reduction thread or process group, if it has one."""
+        if self.grad_sync is not None and hasattr(self.grad_sync, "close"):
+            self.grad_sync.close()
 
     def reuse(self, spec: WorkerSpec, rank: int) -> None:
         """Become a worker of a new run, as a freshly started one would (after :meth:`park`)."""
@@ -187,8 +191,7 @@ class Worker(comm.Member):
         self.comm.mpi.Set_errhandler(library.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
         options = dict(self.step_options)
         overlap = bool(options.pop("overlap", False))  # gradient buckets summed while backward runs
-        if self.grad_sync is not None and hasattr(self.grad_sync, "close"):
-            self.grad_sync.close()  # the previous communicator's reduction thread or process group
+        self._close_grad_sync()
         self.grad_sync = self._grad_sync(overlap)
         self.train_step = make_train_step(
             self.model,
