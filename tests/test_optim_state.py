@@ -37,6 +37,23 @@ def _same(a, b) -> bool:
     )
 
 
+def _close(a, b) -> bool:
+    """Same tree structure (types included) and dtypes, float leaves equal up to 1e-5 of each tensor's largest
+    value, the rest equal: a fixture written on another CPU differs from this one's arithmetic in the last bits
+    (its matmul kernels: AVX2 against AVX-512/AMX), so bit-equality would test the machine, not the loading."""
+    la, sa = pytree.flatten(a)
+    lb, sb = pytree.flatten(b)
+
+    def near(x: torch.Tensor, y: torch.Tensor) -> bool:
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not x.is_floating_point() or x.numel() == 0:
+            return torch.equal(x, y)
+        return bool((x - y).abs().max() <= 1e-5 * y.abs().max() + 1e-12)
+
+    return sa == sb and all(near(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+
+
 def _params() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in old.model().named_parameters()}
 
@@ -158,9 +175,9 @@ def test_old_checkpoint_resumes_on_the_same_trajectory(name, tmp_path):
     torch.save(OLD_STATES[name], tmp_path / "state.pt")
     resumed = TrainState.from_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     fresh = old.stepped(CASES[name])
-    assert _same(resumed, fresh), name
+    assert _close(resumed, fresh), name
     step = make_train_step(old.model(), F.cross_entropy, CASES[name])
-    assert _same(step(resumed, old.batch(2))[0], step(fresh, old.batch(2))[0])
+    assert _close(step(resumed, old.batch(2))[0], step(fresh, old.batch(2))[0])
 
 
 def test_old_states_are_the_dicts_of_the_new_fields():
