@@ -7,12 +7,15 @@ Each run is a fresh Python (a child process) that imports torch and transformers
 model, then calls ``raympi.fit(..., workers=2)`` on a local Ray instance it starts; the phases are
 read from fit's own startup lines (``raympi: [  t s] ...``) and the first step from a callback.
 Beside it, fresh Pythons time the imports a worker process pays (``import ray, torch,
-raympi.worker`` and ``+ transformers``, as unpickling the model does).
+raympi.worker`` and ``+ transformers``, as unpickling the model does), and one more takes Ray's start
+apart: ``ray.init`` under cProfile (its wait for Ray's dashboard process, for the raylet to register,
+the driver's connect), then ``import torch, transformers`` inside one Ray actor once Ray has settled.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
@@ -40,6 +43,39 @@ result = raympi.fit(model, {"input_ids": ids, "labels": ids}, workers=2, batch_s
                     callbacks=[First()], checkpoint_dir=sys.argv[1], address="local")
 print("RESULT " + json.dumps({"imports_s": imports, "first_step_s": First.at - start,
                               "params": sum(p.numel() for p in model.parameters())}))
+"""
+
+RAY_START = r"""
+import cProfile, json, pstats, time
+import ray
+profile = cProfile.Profile()
+t0 = time.monotonic()
+profile.enable()
+ray.init(address="local", include_dashboard=False, logging_level="ERROR")
+profile.disable()
+init_s = time.monotonic() - t0
+stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, calls, own s, cumulative s, callers)
+
+def cumulative(file_end, function):
+    return sum(v[3] for (f, _, n), v in stats.items() if f.endswith(file_end) and n == function)
+
+@ray.remote(num_cpus=1)
+class Imports:
+    def time(self):
+        t = time.monotonic()
+        import torch, transformers
+        transformers.GPT2LMHeadModel
+        return time.monotonic() - t
+
+time.sleep(3)  # Ray's own processes done starting: the actor's imports alone on the machine
+actor_s = ray.get(Imports.remote().time.remote())
+print("RESULT " + json.dumps({
+    "ray.init (alone)": init_s,
+    "  of which waiting for Ray's dashboard process": cumulative("_private/services.py", "start_api_server"),
+    "  of which waiting for the raylet to register": cumulative("_private/state.py", "get_node"),
+    "  of which the driver's connect": cumulative("_private/worker.py", "connect"),
+    "import torch, transformers in one Ray actor": actor_s,
+}))
 """
 
 # fit's startup lines, in order: the phase each one opens
@@ -94,14 +130,17 @@ def main() -> None:
                 "transformers.GPT2LMHeadModel; print('S', time.monotonic() - t); raise SystemExit"
             ),
         }
+        status, output = run_child([sys.executable, "-c", RAY_START], 300)
+        if status != 0 or "RESULT " not in output:
+            raise RuntimeError(output[-2000:])
+        ray_start = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
         with tempfile.TemporaryDirectory() as folder:
             status, output = run_child([sys.executable, "-c", CHILD, folder], 600)
         if status != 0 or "RESULT " not in output:
             raise RuntimeError(output[-2000:])
-        import json
-
         result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
-        row = {**imports, **phases(output, result["first_step_s"]), "fit() to first step": result["first_step_s"]}
+        row = {**imports, **ray_start, **phases(output, result["first_step_s"])}
+        row["fit() to first step"] = result["first_step_s"]
         row["params"] = result["params"]
         runs.append(row)
         print(f"run {run + 1}: fit() to the first step {result['first_step_s']:.2f} s", flush=True)
