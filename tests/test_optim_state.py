@@ -171,7 +171,7 @@ OLD_STATES, OLD_LAYOUTS = old.load(FIXTURES)
 def test_old_checkpoint_resumes_on_the_same_trajectory(name, tmp_path):
     """A state saved by raympi 6b6f511 (dict optimizer states), through torch.save / torch.load(weights_only=True)
     as a checkpoint, loads into the new types, equal to the new code's own state after the same two steps, and
-    trains on exactly like it."""
+    trains on like it (both to within float rounding: see _close)."""
     torch.save(OLD_STATES[name], tmp_path / "state.pt")
     resumed = TrainState.from_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     fresh = old.stepped(CASES[name])
