@@ -14,7 +14,9 @@ import time
 import psutil
 
 RUN_TAG = "RAYMPI_TEST_RUN"
-os.environ.setdefault(RUN_TAG, f"{os.getpid()}-{time.time_ns()}")
+_tag = os.environ.get(RUN_TAG) or f"{os.getpid()}-{time.time_ns()}"
+_xdist = os.environ.get("PYTEST_XDIST_WORKER")  # each of pytest-xdist's workers is a run of its own
+os.environ[RUN_TAG] = _tag if not _xdist or _tag.endswith(f"-{_xdist}") else f"{_tag}-{_xdist}"
 
 
 def _ours(p: psutil.Process) -> bool:
