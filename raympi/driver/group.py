@@ -27,6 +27,9 @@ from raympi.worker import Worker, WorkerSpec
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
 # a suspected rank that does not answer a ping within this while others do is hung
 SUSPECT_PING_S = 1.5
+# a silent rank's call gets this long for Ray's word that its process died (late on a loaded machine): a lost
+# worker is reported as lost, not as hung
+DEATH_NOTICE_S = 1.0
 PARK_S = 2.0  # how long workers may take to drop a finished run before they are killed rather than kept
 # an idle hot spare that does not answer a ping within this is left out of a derivation
 SPARE_PING_S = 0.5
@@ -433,7 +436,8 @@ class WorkerGroup:
 
         ``first_call``: the workers' first call, where dying on a live node means the spec did not unpickle.
         ``heartbeat``: ping every rank while waiting (:mod:`raympi.driver.heartbeat`); a rank silent for
-        ``SILENT_S`` while the others answer is hung (stopped, cut off), found without waiting for ``deadline``.
+        ``SILENT_S`` while the others answer is hung (stopped, cut off), found without waiting for ``deadline``,
+        unless Ray reports it dead within ``DEATH_NOTICE_S`` (then it is a lost worker).
 
         Raises:
             Failed: a rank died, raised, or made no progress in time (``startup``: a timeout is a
@@ -458,7 +462,15 @@ class WorkerGroup:
                             raise Expired(deadline, expired.pending) from None
                         deadline = Deadline(deadline.seconds, deadline.field, start=since)
                     stuck = watch.silent() if watch is not None else []
-                    if stuck:  # the others answered later pings: hung, not merely slow
+                    if stuck:  # the others answered later pings: hung, not merely slow, unless it died
+                        late = [ref for ref in pending if rank_of[ref] in stuck]
+                        settled = ray.wait(late, num_returns=len(late), timeout=DEATH_NOTICE_S)[0] if late else []
+                        for ref in settled:  # raises Failed (worker lost) where Ray now reports it dead
+                            pending.remove(ref)
+                            self._check(ref, rank_of[ref], what, first_call=first_call)
+                        if late and len(settled) == len(late):  # they finished their calls after all: slow
+                            continue
+                        stuck = sorted(set(stuck) - {rank_of[ref] for ref in settled})
                         raise Failed(
                             self._failure(
                                 FailureKind.HUNG,
