@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import re
 import signal
 import sys
 import threading
@@ -466,11 +467,16 @@ def test_sigterm_to_a_worker_checkpoints_then_regroups(cluster, uninterrupted, t
 
 
 DRIVER = """
-import sys, time, torch, raympi
+import os, sys, time, torch, raympi
 from torch import nn
+
+SAID = set()
 
 class Slow(nn.Sequential):
     def forward(self, x):
+        if os.getpid() not in SAID:  # once per process: Ray forwards the workers' lines to the driver
+            SAID.add(os.getpid())
+            print(f"forward in pid {os.getpid()}", flush=True)
         time.sleep(0.02)
         return super().forward(x)
 
@@ -513,6 +519,8 @@ def test_sigterm_or_ctrl_c_to_the_driver_checkpoints_before_exiting(tmp_path, si
         driver.send_signal(sig)
     out, err = driver.communicate(timeout=90)
     assert driver.returncode != 0 and "finished" not in out
+    # fit's own local Ray starts its log monitor last (raympi/driver/local_ray.py): both ranks' lines came
+    assert len(set(re.findall(r"pid=(\d+)\)\S*\s+forward in pid \1", out))) == 2, out[-3000:]
     assert f"PreemptedError: {words} after step" in err and "resume=True" in err
     step = raympi.load_checkpoint(str(folder)).step.item()
     assert step > 20 and f"after step {step};" in err

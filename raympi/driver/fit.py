@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -22,7 +22,7 @@ from raympi.core.loss import default_loss
 from raympi.core.precision import LossScaling, cpu_has_native_bf16
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
-from raympi.driver import data, report, tune
+from raympi.driver import data, local_ray, report, tune
 from raympi.driver.capacity import worker_bundle
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import FitConfig, parse_config
@@ -93,11 +93,11 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         raise MPIUnavailableError(reason)
     optimizer = cfg.optimizer or optim.adam(1e-3)
     loss_fn = cfg.loss_fn or default_loss
-    started_ray = False
+    stop_ray: Callable[[], None] | None = None  # set where this fit starts Ray itself
     ray_dataset, train = None, None
     announce = report.Announcer(cfg.progress)
     if _is_ray_dataset(dataset):
-        started_ray = _connect_ray(cfg)  # a Ray Dataset needs Ray to be read
+        stop_ray = _connect_ray(cfg)  # a Ray Dataset needs Ray to be read
         announce("counting the Ray Dataset's rows")
         columns = data.columns_of(dataset, cfg.columns)
         ray_dataset = (dataset, columns)
@@ -123,9 +123,9 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
     )
     if not ray.is_initialized():
         announce("starting Ray" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "connecting to Ray")
-    started_ray = _connect_ray(cfg) or started_ray
+    stop_ray = _connect_ray(cfg) or stop_ray
     try:
-        if started_ray:  # (and shut down at the end: no worker outlives this fit)
+        if stop_ray is not None:  # (and shut down at the end: no worker outlives this fit)
             cfg = _fit_local_cores(cfg, announce).model_copy(update={"keep_workers": False})
         announce("shipping the data to the object store")
         use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
@@ -193,8 +193,8 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         )
     finally:
         store.close()
-        if started_ray:
-            ray.shutdown()
+        if stop_ray is not None:
+            stop_ray()
 
 
 def _step_options(cfg: FitConfig) -> dict[str, Any]:
@@ -371,13 +371,13 @@ def _dry_run(model, loss_fn, optimizer, sample, cfg: FitConfig) -> None:
         ) from exc
 
 
-def _connect_ray(cfg: FitConfig) -> bool:
-    """Join the configured cluster, or start a private local instance; True when we started it."""
+def _connect_ray(cfg: FitConfig) -> Callable[[], None] | None:
+    """Join the configured cluster, or start a private local instance (:mod:`raympi.driver.local_ray`);
+    returns what stops Ray where we started it."""
     if ray.is_initialized():
-        return False
+        return None
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
         ray.init(address=address, logging_level="ERROR")
-        return False
-    ray.init(address="local", include_dashboard=False, logging_level="ERROR")
-    return True
+        return None
+    return local_ray.start()
