@@ -94,10 +94,27 @@ def local_ray(num_cpus: int, **kwargs: Any) -> Iterator[None]:
         ray.shutdown()
 
 
-def fresh_ray(workers: int) -> contextlib.AbstractContextManager[None]:
+_ONE_RAY: dict[str, bool] = {"on": False}  # whether share_one_ray() started the Ray every fresh_ray() now uses
+
+
+def share_one_ray(num_cpus: int) -> None:
+    """A smoke run (``--quick``): one local Ray (as :func:`fresh_ray` starts it) for every contender, up until the
+    process exits.  A start costs ~3.5 s and ~5 CPU-s on 2 cores, and a smoke run's figures are not quoted; a full
+    run's contenders each get a fresh instance."""
+    start_local_ray(num_cpus, env=OMP1, log_to_driver=False)
+    _ONE_RAY["on"] = True
+
+
+@contextlib.contextmanager
+def fresh_ray(workers: int) -> Iterator[None]:
     """The Ray a contender of the comparisons runs on: one fresh local instance of ``workers`` CPUs, workers with
-    OMP_NUM_THREADS=1, their logs not relayed to the driver; shut down after the block."""
-    return local_ray(workers, env=OMP1, log_to_driver=False)
+    OMP_NUM_THREADS=1, their logs not relayed to the driver; shut down after the block.  After
+    :func:`share_one_ray`: that instance, left running."""
+    if _ONE_RAY["on"]:
+        yield
+        return
+    with local_ray(workers, env=OMP1, log_to_driver=False):
+        yield
 
 
 def time_reps(barrier: Callable[[], Any], fn: Callable[[], Any], reps: int) -> list[float]:

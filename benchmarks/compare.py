@@ -89,6 +89,7 @@ from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks
     read_spec,
     rotated,
     run_spec_child,
+    share_one_ray,
     spread,
     synthetic_mnist,
     time_reps,
@@ -420,6 +421,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.quick:
         args.runs, args.steps, args.warmup = 1, 15, 5
         args.models, args.workers, args.contenders = "cnn", "2", "raympi,mpiexec-template,floor,raw-allreduce"
+        share_one_ray(2)  # a smoke run: one Ray for every contender
     models = [m for m in args.models.split(",") if m]
     workers = [int(w) for w in args.workers.split(",") if w]
     contenders = [c for c in args.contenders.split(",") if c]

@@ -73,6 +73,7 @@ from _common import (  # noqa: E402  (benchmarks/_common.py: what the benchmarks
     read_spec,
     rotated,
     save_results,
+    share_one_ray,
     torchrun_gloo,
     write_spec,
 )
@@ -290,6 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.quick:
         args.runs, args.steps, args.warmup, args.subset = 1, 20, 5, 2048
+        share_one_ray(WORLD)  # a smoke run: one Ray for every contender
     contenders = [c for c in args.contenders.split(",") if c]
     bad = [c for c in contenders if c not in CONTENDERS]
     if bad or args.warmup < 1 or args.steps <= args.warmup:

@@ -42,7 +42,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from _common import attempt, fresh_ray, median_range, mnist_example, rotated, save_results  # noqa: E402
+from _common import (  # noqa: E402
+    attempt,
+    fresh_ray,
+    median_range,
+    mnist_example,
+    rotated,
+    save_results,
+    share_one_ray,
+)
 
 WORLD = 2
 BATCH = 64
@@ -147,6 +155,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.runs = "4MB,400MB", 1
+        share_one_ray(WORLD)  # a smoke run: one Ray for every fit
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     cases: dict[str, Any] = {human(s): LazyImages(max(BATCH, s // SAMPLE_BYTES)) for s in sizes}
     if not args.no_control:

@@ -16,7 +16,7 @@ Steady samples/s over the steps after the warm-up (raympi from its records' driv
 torchrun's ranks between two barriers).
 
     python benchmarks/imagefolder.py                 # 3 runs x 3 contenders, 120 steps (20 warm-up), 20,000 images
-    python benchmarks/imagefolder.py --quick         # 1 run, 2,048 images, 16 steps (4 warm-up)
+    python benchmarks/imagefolder.py --quick         # 1 run, 2,048 images, 8 steps (2 warm-up)
 
 Writes benchmarks/out/imagefolder.csv and .txt (imagefolder_quick.* with --quick).
 """
@@ -50,6 +50,7 @@ from _common import (  # noqa: E402
     rotated,
     run_torchrun,
     save_results,
+    share_one_ray,
     torchrun_gloo,
     write_spec,
 )
@@ -148,14 +149,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--images", type=int, default=20000)
     p.add_argument("--data-dir", default=str(ROOT / "data"))
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--quick", action="store_true", help="1 run, 2,048 images, 16 steps (4 warm-up)")
+    p.add_argument("--quick", action="store_true", help="1 run, 2,048 images, 8 steps (2 warm-up)")
     add_child_options(p)
     args = p.parse_args(argv)
     if args.child:
         _ddp_rank(read_spec(args.spec))
         return 0
     if args.quick:
-        args.runs, args.steps, args.warmup, args.images = 1, 16, 4, 2048
+        args.runs, args.steps, args.warmup, args.images = 1, 8, 2, 2048
+        share_one_ray(WORLD)  # a smoke run: one Ray for every contender
     contenders = [c for c in args.contenders.split(",") if c]
     if any(c not in CONTENDERS for c in contenders) or not 1 <= args.warmup < args.steps:
         p.error(f"contenders are {CONTENDERS}; need 1 <= warmup < steps")
