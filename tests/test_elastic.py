@@ -75,7 +75,7 @@ def _data():
     return x, (x[:, 0] + x[:, 1] > 0).long()
 
 
-def _net(pace_s: float = 0.02) -> nn.Module:
+def _net(pace_s: float = 0.01) -> nn.Module:
     class Slow(nn.Sequential):  # defined here so it is pickled by value: the workers cannot import tests/
         """A small MLP that takes at least ``pace_s`` a step, so failures land mid-run on any machine."""
 
@@ -165,8 +165,14 @@ def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrup
 
     _when_checkpoint(folder, 20, lambda: (cluster.remove_node(lost), add_back_when_shrunk()))
     try:
-        result = raympi.fit(
-            _net(), _data(), workers=3, min_workers=2, checkpoint_dir=str(folder), grad_transport=transport, **OPTIONS
+        result = raympi.fit(  # paced at 20 ms a step: the run outlasts the start of the node added back
+            _net(0.02),
+            _data(),
+            workers=3,
+            min_workers=2,
+            checkpoint_dir=str(folder),
+            grad_transport=transport,
+            **OPTIONS,
         )
     finally:
         for node in added:
@@ -341,26 +347,33 @@ def test_a_worker_outliving_its_raylet_exits(cluster, uninterrupted, tmp_path):
     spare started: seen in the chaos soak): Ray leaves the spare's process idling, and no ray.kill
     reaches it any more (its node is dead to Ray). raympi's workers exit with their raylet."""
     folder = tmp_path / "ck"
-    outlived, nodes = [], []
+    outlived, nodes, acted = [], [], threading.Event()
 
     def kill_the_spares_raylet():
-        spare = _idle_worker()
-        raylet = spare.parent()
-        nodes.extend(n for n in cluster.workers if n.all_processes["raylet"][0].process.pid == raylet.pid)
-        raylet.kill()
-        try:  # while training goes on (nobody kills the spare meanwhile)
-            spare.wait(timeout=3)
-            outlived.append(False)
-        except psutil.TimeoutExpired:
-            outlived.append(True)
+        try:
+            spare = _idle_worker()
+            raylet = spare.parent()
+            nodes.extend(n for n in cluster.workers if n.all_processes["raylet"][0].process.pid == raylet.pid)
+            raylet.kill()
+            try:  # while training goes on (nobody kills the spare meanwhile)
+                spare.wait(timeout=3)
+                outlived.append(False)
+            except psutil.TimeoutExpired:
+                outlived.append(True)
+        finally:
+            acted.set()
 
-    _when_checkpoint(folder, 100, kill_the_spares_raylet)
+    # Once the spare has joined (it exists then, on any machine: a loaded one started it after step 100 once),
+    # paced at 60 ms a step, as the other spare tests: training goes on while the spare is watched for 4 s.
+    handler = _when_logged("is standby rank", kill_the_spares_raylet)
     # No hang is tested here: a deadline long enough for a machine loaded many times over (the 4 s of OPTIONS
     # ran out once on a machine loaded twice over, and the ranks were restarted for nothing).
     options = {**OPTIONS, "step_timeout_s": 30.0}
     try:
-        result = raympi.fit(_net(), _data(), workers=2, checkpoint_dir=str(folder), **options)
+        result = raympi.fit(_net(0.06), _data(), workers=2, checkpoint_dir=str(folder), **options)
+        acted.wait(60)
     finally:
+        logging.getLogger("raympi").removeHandler(handler)
         for node in nodes:
             cluster.workers.remove(node)
             cluster.remove_node(node, allow_graceful=False)
