@@ -256,3 +256,12 @@ def test_gpu_check_cpu_mode_smoke(tmp_path):
     assert [r["transport"] for r in rows] == ["mpi", "gloo"] and all(
         r["1 MB tree"] > 0 and r["8 MB buckets"] > 0 for r in rows
     ), rows
+
+
+def test_suite_cpu_quick():
+    """benchmarks/suite_cpu.py --quick: the command's exit status and wall time, and its own process counted in
+    the table with the CPU its `import torch` took."""
+    proc = _quick("suite_cpu.py", 120)
+    assert re.search(r"-c import torch: exit 0, [0-9.]+ s wall", proc.stdout), proc.stdout
+    row = re.search(r"^python \(other\)\s+\|\s+(\d+) \|\s+([0-9.]+) \|", proc.stdout, re.M)
+    assert row and int(row.group(1)) >= 1 and float(row.group(2)) > 0.2, proc.stdout
