@@ -204,13 +204,14 @@ def test_chunk_size_aims_at_half_a_second_and_never_crosses_a_boundary(count, se
 
 
 def test_pace_watch_reports_a_group_left_far_slower_by_a_warm_restart():
-    pace = Pace(factor=5.0, chunks=3, watch=6)
+    pace, clock = Pace(factor=5.0, chunks=3, min_s=0.0, watch=6), [0.0]
 
-    def feed(rates):
+    def feed(rates, every_s=1.0):
         nonlocal pace
         out = []
         for r in rates:
-            pace, slower = pace.observe(r)
+            clock[0] += every_s
+            pace, slower = pace.observe(r, clock[0])
             out.append(slower)
         return out
 
@@ -222,3 +223,11 @@ def test_pace_watch_reports_a_group_left_far_slower_by_a_warm_restart():
     assert feed((50.0,)) == [None]  # reported once; then it learns the new pace again
     pace = pace.restarted()
     assert feed((900.0, 800.0, 950.0, 900.0, 1000.0, 900.0, 10.0, 10.0, 10.0))[-3:] == [None] * 3  # watch over
+
+    # Over min_s only: a machine busy for a few seconds (9x slower for 4 chunks of 1 s) is not a sick group,
+    # and a slow streak is watched to its end, however long the watch.
+    pace = Pace(factor=5.0, chunks=3, min_s=10.0, watch=6)
+    feed((1000.0,) * 3)
+    pace = pace.restarted()
+    assert feed((110.0,) * 4 + (1000.0,)) == [None] * 5
+    assert feed((100.0,) * 11) == [None] * 10 + [pytest.approx(10.0, rel=0.2)]  # the 11th: 10 s after the first

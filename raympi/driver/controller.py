@@ -261,7 +261,7 @@ class Controller:
                     restarts[-1], recovery_s=now - timers.recovering, first_step_s=now - timers.reformed
                 ),
             )
-        pace, slower = run.pace.observe(records[-1]["samples_per_s"])
+        pace, slower = run.pace.observe(records[-1]["samples_per_s"], now)
         self.run = dataclasses.replace(
             run,
             history=run.history.until(records[0]["step"] - 1).append(records),  # an owed evaluation: its step again

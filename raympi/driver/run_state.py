@@ -208,32 +208,39 @@ class Pace:
     """Notices a group that runs far slower after a warm restart than before it, as a value.
 
     A survivor's MPI library can be left sick by a peer that died mid-collective (seen here: MPICH
-    over UCX after a node loss, every step ~15x slower).  Fed each chunk's samples/s, it learns the
-    pace (a moving average) while no restart is being watched, and for ``watch`` chunks after a warm
-    restart reports the slowdown once ``chunks`` chunks in a row ran ``factor`` times slower.
+    over UCX after a node loss, every step ~15x slower, for good).  Fed each chunk's samples/s and the
+    time, it learns the pace (a moving average) while no restart is being watched, and for ``watch``
+    chunks after a warm restart reports the slowdown once ``chunks`` chunks in a row, over at least
+    ``min_s`` seconds, ran ``factor`` times slower.  A slow streak is watched to its end: a machine
+    busy for a few seconds (a node and a replacement starting on the ranks' cores made steps 9x slower
+    here) is not a sick group.
     """
 
     rate: float | None = None  # the learned samples/s
     left: int = 0  # chunks still watched after a warm restart
     slow: int = 0  # slow chunks in a row
+    slow_since: float = 0.0  # when the first of them ended
     factor: float = 5.0
     chunks: int = 3
+    min_s: float = 10.0
     watch: int = 12
 
     def restarted(self) -> "Pace":
         """A warm restart happened: watch the chunks that follow."""
         return dataclasses.replace(self, left=self.watch, slow=0)
 
-    def observe(self, rate: float) -> tuple["Pace", float | None]:
-        """Take one chunk's samples/s; returns the new value and, when the group is degraded, how
-        many times slower it is."""
+    def observe(self, rate: float, now: float) -> tuple["Pace", float | None]:
+        """Take one chunk's samples/s, at time ``now``; returns the new value and, when the group is
+        degraded, how many times slower it is."""
         if not self.left:
             learned = rate if self.rate is None else 0.8 * self.rate + 0.2 * rate
             return dataclasses.replace(self, rate=learned), None
-        slow = self.slow + 1 if self.rate and rate * self.factor < self.rate else 0
-        if slow < self.chunks:
-            return dataclasses.replace(self, left=self.left - 1, slow=slow), None
-        return dataclasses.replace(self, left=0, slow=slow), self.rate / max(rate, 1e-9)
+        if not (self.rate and rate * self.factor < self.rate):
+            return dataclasses.replace(self, left=self.left - 1, slow=0), None
+        since = self.slow_since if self.slow else now
+        if self.slow + 1 < self.chunks or now - since < self.min_s:
+            return dataclasses.replace(self, slow=self.slow + 1, slow_since=since), None
+        return dataclasses.replace(self, left=0, slow=self.slow + 1, slow_since=since), self.rate / max(rate, 1e-9)
 
 
 @dataclasses.dataclass(frozen=True)
