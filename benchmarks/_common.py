@@ -95,13 +95,14 @@ def local_ray(num_cpus: int, **kwargs: Any) -> Iterator[None]:
 
 
 _ONE_RAY: dict[str, bool] = {"on": False}  # whether share_one_ray() started the Ray every fresh_ray() now uses
+FRESH_RAY: dict[str, Any] = {"env": OMP1, "log_to_driver": False}  # a contender's Ray: 1 thread, logs not relayed
 
 
 def share_one_ray(num_cpus: int) -> None:
     """A smoke run (``--quick``): one local Ray (as :func:`fresh_ray` starts it) for every contender, up until the
     process exits.  A start costs ~3.5 s and ~5 CPU-s on 2 cores, and a smoke run's figures are not quoted; a full
     run's contenders each get a fresh instance."""
-    start_local_ray(num_cpus, env=OMP1, log_to_driver=False)
+    start_local_ray(num_cpus, **FRESH_RAY)
     _ONE_RAY["on"] = True
 
 
@@ -113,7 +114,7 @@ def fresh_ray(workers: int) -> Iterator[None]:
     if _ONE_RAY["on"]:
         yield
         return
-    with local_ray(workers, env=OMP1, log_to_driver=False):
+    with local_ray(workers, **FRESH_RAY):
         yield
 
 
