@@ -60,11 +60,25 @@ def test_recovery_benchmark_quick():
 
 def test_standby_experiment_derives_around_a_dead_member():
     """benchmarks/standby_experiment.py: MPI_Comm_create_group completes with a dead member in the parent
-    communicator, and the first allreduce on the derived communicator sums right."""
-    proc = _run("standby_experiment.py", ["--members", "2", "--rounds", "1"], 240)
-    assert re.search(r"create_group over 2 \(dead rank excluded\): ok", proc.stdout), proc.stdout
-    assert re.search(r"first allreduce on it: ok [0-9.e-]+ sums \[2\.0, 2\.0\]", proc.stdout), proc.stdout
-    assert re.search(r"a new spare joined the standby: ok", proc.stdout), proc.stdout
+    communicator, the first allreduce on the derived communicator sums right, and a new spare joins.
+
+    MPICH over UCX hangs now and then after a peer died mid-collective (once in CI, both survivors past
+    15 s), which is why fit's derivation has a deadline and falls back to a cold restart.  So the
+    experiment gets three tries: the property holds when one of them completes every step.
+    """
+    wanted = [
+        r"create_group over 2 \(dead rank excluded\): ok",
+        r"first allreduce on it: ok [0-9.e-]+ sums \[2\.0, 2\.0\]",
+        r"a new spare joined the standby: ok",
+    ]
+    outputs = []
+    for _ in range(3):
+        proc = _run("standby_experiment.py", ["--members", "2", "--rounds", "1"], 240)
+        outputs.append(proc.stdout)
+        if all(re.search(pattern, proc.stdout) for pattern in wanted):
+            return
+        assert re.search(r"create_group over 2 \(dead rank excluded\): (ok|HUNG)", proc.stdout), proc.stdout
+    pytest.fail("no try completed every step:\n" + "\n---\n".join(outputs))
 
 
 def test_restarts_soak_quick():
