@@ -129,9 +129,13 @@ def test_pbt_clones_a_trial_from_its_checkpoint(two_cpus, tmp_path):
     # perturbation: no trial ends with lr 0, and both end on a trained model
     assert all(r.config["lr"] != 0.0 for r in results), [r.config for r in results]
     frames = [r.metrics_dataframe for r in results]
-    restored = [f for f in frames if (f["iterations_since_restore"].diff() < 0).any()]
-    assert restored, "no trial was restored from a checkpoint"
-    assert all((f["step"] == 1).sum() == 1 for f in frames)  # restored past step 1: from the checkpoint, not afresh
+    # A trial's frame may hold only its rows since its last restore (seen 3 times in 8 runs).  Restored from
+    # the checkpoint, not afresh: a first iteration after a restore is past step 1, and step 1 is there at most once.
+    first_after_restore = [f[f["iterations_since_restore"] == 1] for f in frames]
+    assert any((rows["step"] > 1).any() for rows in first_after_restore), "no trial was restored from a checkpoint"
+    assert all((f["step"] == 1).sum() <= 1 for f in frames), [
+        list(zip(f["step"], f["iterations_since_restore"])) for f in frames
+    ]
     assert all(r.metrics["loss"] < 0.6 for r in results), [r.metrics["loss"] for r in results]
     assert _all_released(two_cpus)
 
