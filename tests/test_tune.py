@@ -129,8 +129,8 @@ def test_pbt_clones_a_trial_from_its_checkpoint(two_cpus, tmp_path):
     # perturbation: no trial ends with lr 0, and both end on a trained model
     assert all(r.config["lr"] != 0.0 for r in results), [r.config for r in results]
     frames = [r.metrics_dataframe for r in results]
-    # A trial's frame may hold only its rows since its last restore (seen 3 times in 8 runs).  Restored from
-    # the checkpoint, not afresh: a first iteration after a restore is past step 1, and step 1 is there at most once.
+    # A trial's frame may hold only its rows since its last restore (one began at step 17).  Restored from the
+    # checkpoint, not afresh: a first iteration after a restore is past step 1, and step 1 is there at most once.
     first_after_restore = [f[f["iterations_since_restore"] == 1] for f in frames]
     assert any((rows["step"] > 1).any() for rows in first_after_restore), "no trial was restored from a checkpoint"
     assert all((f["step"] == 1).sum() <= 1 for f in frames), [
