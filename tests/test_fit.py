@@ -354,3 +354,14 @@ def test_cpu_workers_run_with_one_malloc_arena(ray_session, tmp_path):
         progress=False,
     )
     assert [r["arena_max"] for r in result.metrics] == [1.0] * len(result.metrics) and result.metrics, result.metrics
+
+
+def test_the_suites_ray_workers_run_at_its_own_priority(ray_session):
+    """Ray lowers its workers to nice 15; tests/conftest.py sets RAY_worker_niceness=0, without which a loaded
+    machine starves every worker (and the suite's deadlines run out).  A Ray that stops reading it fails here."""
+
+    @ray_session.remote(num_cpus=1)
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert ray_session.get(niceness.remote(), timeout=60) == os.getpriority(os.PRIO_PROCESS, 0)
