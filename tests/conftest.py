@@ -68,8 +68,9 @@ def _unit_tests_start_no_ray(request):
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray lowers its workers to nice 15 (RAY_worker_niceness): beside any job at normal priority they get a few percent
 # of a core (two busy processes on the 2 cores held a PBT trial's `import torch` for 2 minutes), so on a loaded
-# machine every deadline in the suite would run out.  The suite's Ray workers run at its own priority instead;
-# every Ray started from here (ray.init, clusters, namespace hosts, benchmark runs) inherits it.
+# machine every deadline in the suite would run out.  The suite's Ray workers run at its own priority instead:
+# every Ray started from here inherits it (ray.init, clusters, benchmark runs, tests/netns.py's hosts), all but
+# the hosts that `ray up` starts over ssh, as it would a user's.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 

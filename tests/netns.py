@@ -108,8 +108,9 @@ class NetnsCluster:
         return f"{self.head.ip}:{RAY_PORT}"
 
     def env(self, **extra: str) -> dict[str, str]:
-        """The environment of Ray processes and drivers here: token auth on, one torch thread."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        """The environment of Ray processes and drivers here: token auth on, one torch thread, and the suite's
+        worker priority (``RAY_worker_niceness``, tests/conftest.py)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_worker_niceness"}
         env.update(
             RAY_AUTH_MODE="token",
             RAY_AUTH_TOKEN=self.token,
