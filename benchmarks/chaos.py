@@ -77,7 +77,21 @@ def worker_processes() -> list[psutil.Process]:
 
 
 def _victim(rng: random.Random) -> psutil.Process | None:
-    """A worker that is training (it used CPU in the last 0.2 s: a hot spare waits idle)."""
+    """A worker that is training: Ray titles a rank running a chunk of steps ``ray::Worker.run`` (a hot spare waits
+    untitled); watched for up to 1 s, since a rank waits between chunks.  Else one that used CPU in 0.2 s (on a
+    loaded machine a spare still importing torch does too), else any."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        ranks = []
+        for p in worker_processes():
+            try:
+                if p.cmdline()[0].startswith("ray::Worker.run"):
+                    ranks.append(p)
+            except (psutil.Error, IndexError):
+                pass
+        if ranks:
+            return rng.choice(ranks)
+        time.sleep(0.01)
     procs = worker_processes()
     before = {}
     for p in procs:
