@@ -75,12 +75,14 @@ def _data():
     return x, (x[:, 0] + x[:, 1] > 0).long()
 
 
-def _net(pace_s: float = 0.01) -> nn.Module:
+def _net(pace_s: float = 0.01, while_exists: str | None = None) -> nn.Module:
     class Slow(nn.Sequential):  # defined here so it is pickled by value: the workers cannot import tests/
-        """A small MLP that takes at least ``pace_s`` a step, so failures land mid-run on any machine."""
+        """A small MLP that takes at least ``pace_s`` a step (while the file ``while_exists`` is there, when one
+        is named), so failures land mid-run on any machine."""
 
         def forward(self, x):
-            time.sleep(pace_s)
+            if while_exists is None or os.path.exists(while_exists):
+                time.sleep(pace_s)
             return super().forward(x)
 
     torch.manual_seed(0)
@@ -147,26 +149,36 @@ def uninterrupted(cluster, tmp_path_factory):
 
 @pytest.mark.parametrize("transport", ["mpi", "gloo"])
 def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrupted, tmp_path, transport):
-    folder = tmp_path / "ck"
+    folder, slow = tmp_path / "ck", tmp_path / "slow"
+    slow.touch()  # the steps take 50 ms until the run has grown back: it outlasts the node's start on a loaded machine
     lost = cluster.workers.pop()
     added, done = [], threading.Event()
 
+    def manifest_worlds() -> dict[int, int]:
+        return {r["step"]: r["world_size"] for r in _manifest_metrics(folder) if "world_size" in r}
+
     def add_back_when_shrunk():
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if any(r.get("world_size") == 2 for r in _manifest_metrics(folder)):
-                # Cluster.add_node installs a SIGTERM handler, which only the main thread may do; and
-                # Ray ties the new node's processes to the life of this thread (PR_SET_PDEATHSIG), so it waits.
-                with mock.patch("ray._private.utils.set_sigterm_handler", lambda handler: None):
-                    added.append(cluster.add_node(num_cpus=1))
+        while time.monotonic() < deadline and 2 not in manifest_worlds().values():
+            time.sleep(0.05)
+        if 2 in manifest_worlds().values():
+            # Cluster.add_node installs a SIGTERM handler, which only the main thread may do; and
+            # Ray ties the new node's processes to the life of this thread (PR_SET_PDEATHSIG), so it waits.
+            with mock.patch("ray._private.utils.set_sigterm_handler", lambda handler: None):
+                added.append(cluster.add_node(num_cpus=1))
+        while added and time.monotonic() < deadline:
+            seen = manifest_worlds()
+            shrunk = max((step for step, world in seen.items() if world == 2), default=None)
+            if shrunk is not None and any(step > shrunk and world == 3 for step, world in seen.items()):
                 break
             time.sleep(0.05)
+        slow.unlink()
         done.wait(300)
 
     _when_checkpoint(folder, 20, lambda: (cluster.remove_node(lost), add_back_when_shrunk()))
     try:
-        result = raympi.fit(  # paced at 20 ms a step: the run outlasts the start of the node added back
-            _net(0.02),
+        result = raympi.fit(
+            _net(0.05, while_exists=str(slow)),
             _data(),
             workers=3,
             min_workers=2,
