@@ -1,4 +1,4 @@
-"""Shared fixtures (a private local Ray instance, ready actors) and the test tiers.
+"""Shared fixtures (a private local Ray instance, ready actors), the test tiers and the groups of parallel runs.
 
 Tiers, by module (``pytest -m unit``, ``-m integration``, ``-m system``; the README's command runs all):
 
@@ -48,13 +48,46 @@ TIERS = {
 }  # every other module: integration
 
 
+# Parallel runs (pytest-xdist, ``-n 3`` in pyproject.toml): the tests of one group run in one test process, one
+# after the other.  A module is a group (its module-scoped fixtures are set up once), but for the modules whose
+# tests stand alone (each test is a group of its own) and test_elastic, whose two halves each build their own
+# cluster.  The longest groups go first, and the short ones fill in at the end.
+ALONE = {"test_benchmarks", "test_driver_loss", "test_gpu_carry"}
+ELASTIC_FIRST_HALF = ("test_killed_or_hung_worker_is_recovered", "test_node_loss_continues_on_fewer_workers")
+
+
 def tier_of(module: str) -> str:
     return next((tier for tier, modules in TIERS.items() if module in modules), "integration")
+
+
+def group_of(nodeid: str) -> str:
+    """The parallel group of a test, from its id (``tests/test_x.py::test_name[params]``)."""
+    path, _, name = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1].removesuffix(".py")
+    if module in ALONE:
+        return nodeid
+    if module == "test_elastic":
+        return module + ("-1" if name.startswith(ELASTIC_FIRST_HALF) else "-2")
+    return module
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(tier_of(item.module.__name__.rsplit(".", 1)[-1]))
+    # Longest first (stable): the system tier's module-wide groups, then its tests that stand alone, then the rest.
+    items.sort(key=lambda item: (not item.get_closest_marker("system"), group_of(item.nodeid) == item.nodeid))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist hands out whole groups (:func:`group_of`).  Its own ``--dist loadgroup`` reads groups from the
+    ids it rewrites, which pytest 9.2 no longer lets it do."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 @pytest.fixture(autouse=True)
