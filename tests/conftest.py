@@ -48,7 +48,7 @@ TIERS = {
 }  # every other module: integration
 
 
-# Parallel runs (pytest-xdist, ``-n 3`` in pyproject.toml): the tests of one group run in one test process, one
+# Parallel runs (pytest-xdist, ``-n 2`` in pyproject.toml): the tests of one group run in one test process, one
 # after the other.  A module is a group (its module-scoped fixtures are set up once), but for the modules whose
 # tests stand alone (each test is a group of its own) and test_elastic, whose two halves each build their own
 # cluster.  The longest groups go first, and the short ones fill in at the end.
