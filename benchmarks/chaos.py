@@ -82,13 +82,7 @@ def _victim(rng: random.Random) -> psutil.Process | None:
     loaded machine a spare still importing torch does too), else any."""
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
-        ranks = []
-        for p in worker_processes():
-            try:
-                if p.cmdline()[0].startswith("ray::Worker.run"):
-                    ranks.append(p)
-            except (psutil.Error, IndexError):
-                pass
+        ranks = [p for p in worker_processes() if p.info["cmdline"][0].startswith("ray::Worker.run")]
         if ranks:
             return rng.choice(ranks)
         time.sleep(0.01)
