@@ -105,6 +105,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # every Ray started from here inherits it (ray.init, clusters, benchmark runs, tests/netns.py's hosts), all but
 # the hosts that `ray up` starts over ssh, as it would a user's.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# MPICH's OFI/tcp publishes the address of the first interface it finds, and beside test_multihost or test_ray_up
+# (the other test process) that is their namespace hosts' bridge (checked: an `Open_port` name held 10.213.x.1
+# while a bridge was up), which their teardown deletes: a formation over OFI in this namespace then hung until its
+# 120 s deadline (benchmarks/compression.py, once in a full run).  On this one host every OFI rank of the suite
+# uses the loopback; the namespace hosts' own Ray processes leave this out (tests/netns.py).
+os.environ.setdefault("FI_TCP_IFACE", "lo")
 
 
 _RAY: dict[str, bool] = {"shared": False}  # whether the Ray running now is ray_session's, kept across modules

@@ -110,7 +110,11 @@ class NetnsCluster:
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of Ray processes and drivers here: token auth on, one torch thread, and the suite's
         worker priority (``RAY_worker_niceness``, tests/conftest.py)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_worker_niceness"}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if (not k.startswith("RAY_") or k == "RAY_worker_niceness") and k != "FI_TCP_IFACE"  # hosts use eth0
+        }
         env.update(
             RAY_AUTH_MODE="token",
             RAY_AUTH_TOKEN=self.token,

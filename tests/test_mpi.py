@@ -103,3 +103,21 @@ def test_doctor_on_the_real_library(tmp_path):
     assert "mpi      CUDA-aware: no (MPICH built without --with-cuda)" in done.stdout, done.stdout
     assert "gloo     available" in done.stdout
     assert any(line.startswith("nccl     available, NCCL 2.") for line in done.stdout.splitlines()), done.stdout
+
+
+def test_the_suites_ofi_ranks_publish_the_loopback(tmp_path):
+    """Beside test_multihost or test_ray_up, OFI/tcp would publish their namespace hosts' bridge (deleted at their
+    teardown, which hung a formation): tests/conftest.py keeps the suite's OFI ranks on the loopback, and an
+    ``Open_port`` name says so (its address, hex-coded after the port: ``7F`` is 127.x)."""
+    env = {**os.environ, "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+    done = subprocess.run(
+        [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Open_port())"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    entry = done.stdout.split("connentry#")[1]  # sockaddr bytes in hex: 766D 0002 00, the port (2 bytes), the address
+    assert entry[14:16] == "7F", f"the first byte of the published address is {entry[14:16]}, not 127: {done.stdout}"
