@@ -74,8 +74,18 @@ def group_of(nodeid: str) -> str:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(tier_of(item.module.__name__.rsplit(".", 1)[-1]))
-    # Longest first (stable): the system tier's module-wide groups, then its tests that stand alone, then the rest.
-    items.sort(key=lambda item: (not item.get_closest_marker("system"), group_of(item.nodeid) == item.nodeid))
+    on_shared_ray = {item.module for item in items if "ray_session" in item.fixturenames}
+
+    def order(item: pytest.Item) -> tuple[int, bool]:
+        """Longest first (stable): the system tier's module-wide groups, then its tests that stand alone; then the
+        modules on the shared Ray one after the other (between two of them any other module stops it, and the next
+        starts Ray and its workers again: 9 starts of it in a run, measured, when the modules came in file order),
+        then the rest of the integration tier, and the unit tier last, filling in."""
+        tier = next(m.name for m in item.iter_markers() if m.name in ("unit", "integration", "system"))
+        rank = {"system": 0, "integration": 1 if item.module in on_shared_ray else 2, "unit": 3}[tier]
+        return rank, group_of(item.nodeid) == item.nodeid
+
+    items.sort(key=order)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -121,6 +131,15 @@ def _uses_ray_session(module: pytest.Module) -> bool:
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _processes_name_their_module(request):
+    """Every process a module starts inherits its name in ``RAYMPI_TEST_MODULE``: ``benchmarks/suite_cpu.py --by
+    RAYMPI_TEST_MODULE`` tells where the suite's CPU goes, Ray's workers included (they inherit their raylet's)."""
+    os.environ["RAYMPI_TEST_MODULE"] = request.node.name.rsplit("/", 1)[-1].removesuffix(".py")
+    yield
+    os.environ.pop("RAYMPI_TEST_MODULE", None)
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _shared_ray_only_where_asked(request):
     """A module that does not ask for ``ray_session`` starts with no shared Ray running (it may start
     its own: a cluster, a Ray of 2 CPUs, a driver subprocess)."""
@@ -153,6 +172,7 @@ def ray_session():
     import ray
 
     if not (_RAY["shared"] and ray.is_initialized()):
+        os.environ["RAYMPI_TEST_MODULE"], module = "ray_session", os.environ.get("RAYMPI_TEST_MODULE", "")
         ray.init(
             address="local",
             num_cpus=8,
@@ -160,6 +180,7 @@ def ray_session():
             logging_level="ERROR",
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
         )
+        os.environ["RAYMPI_TEST_MODULE"] = module
         _RAY["shared"] = True
     yield ray
 

@@ -273,9 +273,15 @@ def test_gpu_check_cpu_mode_smoke(tmp_path):
 
 
 def test_suite_cpu_quick():
-    """benchmarks/suite_cpu.py --quick: the command's exit status and wall time, and its own process counted in
-    the table with the CPU its `import torch` took."""
-    proc = _quick("suite_cpu.py", 120)
+    """benchmarks/suite_cpu.py --quick --by HOME: the command's exit status and wall time, and its own process counted
+    in the table with the CPU its `import torch` took, and again under the HOME it started with."""
+    import os
+
+    proc = _run("suite_cpu.py", ["--quick", "--by", "HOME"], 120)
     assert re.search(r"-c import torch: exit 0, [0-9.]+ s wall", proc.stdout), proc.stdout
     row = re.search(r"^python \(other\)\s+\|\s+(\d+) \|\s+([0-9.]+) \|", proc.stdout, re.M)
     assert row and int(row.group(1)) >= 1 and float(row.group(2)) > 0.2, proc.stdout
+    home = re.escape(os.environ["HOME"])
+    by_home = re.search(rf"^{home}\s+\|\s+(\d+) \|\s+([0-9.]+) \|", proc.stdout, re.M)
+    assert by_home and float(by_home.group(2)) >= float(row.group(2)), proc.stdout
+    assert re.search(rf"^{home}\s+\d+ x python \(other\): \d+", proc.stdout, re.M), proc.stdout
