@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(config, items):
     def order(item: pytest.Item) -> tuple[int, bool]:
         """Longest first (stable): the system tier's module-wide groups, then its tests that stand alone; then the
         modules on the shared Ray one after the other (between two of them any other module stops it, and the next
-        starts Ray and its workers again: 9 starts of it in a run, measured, when the modules came in file order),
+        starts Ray and its workers again: in file order each of the 9 modules on it came after one that stopped it),
         then the rest of the integration tier, and the unit tier last, filling in."""
         tier = next(m.name for m in item.iter_markers() if m.name in ("unit", "integration", "system"))
         rank = {"system": 0, "integration": 1 if item.module in on_shared_ray else 2, "unit": 3}[tier]
