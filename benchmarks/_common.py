@@ -100,10 +100,23 @@ FRESH_RAY: dict[str, Any] = {"env": OMP1, "log_to_driver": False}  # a contender
 
 def share_one_ray(num_cpus: int) -> None:
     """A smoke run (``--quick``): one local Ray (as :func:`fresh_ray` starts it) for every contender, up until the
-    process exits.  A start costs ~3.5 s and ~5 CPU-s on 2 cores, and a smoke run's figures are not quoted; a full
-    run's contenders each get a fresh instance."""
+    process exits, and raympi's fits of one shape in the same worker processes (:func:`keep_workers`).  A start
+    costs ~3.5 s and ~5 CPU-s on 2 cores, a worker process ~2.7 CPU-s, and a smoke run's figures are not quoted; a
+    full run's contenders each get a fresh instance and fresh processes."""
     start_local_ray(num_cpus, **FRESH_RAY)
     _ONE_RAY["on"] = True
+
+
+def keep_workers() -> bool:
+    """``raympi.fit(keep_workers=...)`` for a contender: after :func:`share_one_ray` only.  A contender that is not a
+    ``fit`` ends the kept workers first (:func:`release_kept_workers`): they hold their CPUs."""
+    return _ONE_RAY["on"]
+
+
+def release_kept_workers() -> None:
+    """End the worker processes raympi's fits kept (:func:`keep_workers`), if raympi is loaded."""
+    if "raympi" in sys.modules:
+        sys.modules["raympi"].release_workers()
 
 
 @contextlib.contextmanager
@@ -178,6 +191,7 @@ def fit_throughput(
             loader_workers=loader_workers,
             checkpoint_dir=spec["dir"] + "/raympi-ckpt",
             checkpoint_every=0,
+            keep_workers=keep_workers(),
         )
     return {
         "samples_per_s": steady_samples_per_s(result.metrics, spec["steps"], spec["warmup"], global_batch),
@@ -345,6 +359,7 @@ def run_raytrain(
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    release_kept_workers()
     with fresh_ray(workers):
         trainer = TorchTrainer(
             loop,

@@ -33,6 +33,7 @@ Run:
     python benchmarks/data.py                     # 3 runs x 6 contenders, 400 steps (50 warm-up): ~6-10 min on 2 cores
     python benchmarks/data.py --runs 5 --steps 600
     python benchmarks/data.py --quick             # 1 run, a 2,048-image subset, 20 steps (5 warm-up): a smoke test
+                                                  # (one Ray; raympi's contenders in one set of workers)
 
 Writes benchmarks/out/data.csv (every run) and benchmarks/out/data.txt (the table); data_quick.* with --quick.
 """

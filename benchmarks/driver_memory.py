@@ -18,7 +18,8 @@ what the instrument sees when the data do pass through the driver.
 Run:
     python benchmarks/driver_memory.py                   # 40 MB and 4 GB nominal, 3 runs each (~3 min)
     python benchmarks/driver_memory.py --sizes 40MB,4GB,40GB --runs 5
-    python benchmarks/driver_memory.py --quick           # 4 MB and 400 MB, 1 run, no warm-up fit (tests)
+    python benchmarks/driver_memory.py --quick           # 4 MB and 400 MB, 1 run, no warm-up fit (tests); one
+                                                         # Ray, every fit in the first one's workers
 
 Writes benchmarks/out/driver_memory.csv (every fit) and benchmarks/out/driver_memory.txt (the table);
 driver_memory_quick.* with --quick.
@@ -45,6 +46,7 @@ import torch  # noqa: E402
 from _common import (  # noqa: E402
     attempt,
     fresh_ray,
+    keep_workers,
     median_range,
     mnist_example,
     rotated,
@@ -135,6 +137,7 @@ def one_fit(dataset: Any, tmp: str) -> dict[str, Any]:
                 torch_threads=1,
                 checkpoint_dir=tempfile.mkdtemp(dir=tmp),
                 checkpoint_every=0,
+                keep_workers=keep_workers(),
             )
         if [r["step"] for r in result.metrics] != list(range(1, STEPS + 1)):
             raise RuntimeError(f"fit reported steps {[r['step'] for r in result.metrics]}")

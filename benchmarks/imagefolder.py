@@ -16,7 +16,8 @@ Steady samples/s over the steps after the warm-up (raympi from its records' driv
 torchrun's ranks between two barriers).
 
     python benchmarks/imagefolder.py                 # 3 runs x 3 contenders, 120 steps (20 warm-up), 20,000 images
-    python benchmarks/imagefolder.py --quick         # 1 run, 2,048 images, 8 steps (2 warm-up)
+    python benchmarks/imagefolder.py --quick         # 1 run, 2,048 images, 8 steps (2 warm-up); one Ray,
+                                                     # raympi's contenders in one set of workers
 
 Writes benchmarks/out/imagefolder.csv and .txt (imagefolder_quick.* with --quick).
 """

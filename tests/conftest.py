@@ -77,12 +77,12 @@ def pytest_collection_modifyitems(config, items):
     on_shared_ray = {item.module for item in items if "ray_session" in item.fixturenames}
 
     def order(item: pytest.Item) -> tuple[int, bool]:
-        """Longest first (stable): the system tier's module-wide groups, then its tests that stand alone; then the
-        modules on the shared Ray one after the other (between two of them any other module stops it, and the next
-        starts Ray and its workers again: in file order each of the 9 modules on it came after one that stopped it),
-        then the rest of the integration tier, and the unit tier last, filling in."""
+        """Longest first (stable): the system tier's module-wide groups, then its tests that stand alone; the
+        integration modules with a Ray of their own; then the modules on the shared Ray one after the other (between
+        two of them any other module stops it, and the next starts Ray and its workers again: in file order each of
+        the 9 modules on it came after one that stopped it); the unit tier last, filling in."""
         tier = next(m.name for m in item.iter_markers() if m.name in ("unit", "integration", "system"))
-        rank = {"system": 0, "integration": 1 if item.module in on_shared_ray else 2, "unit": 3}[tier]
+        rank = {"system": 0, "integration": 2 if item.module in on_shared_ray else 1, "unit": 3}[tier]
         return rank, group_of(item.nodeid) == item.nodeid
 
     items.sort(key=order)
@@ -97,6 +97,10 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
 
+    # In the order of pytest_collection_modifyitems: xdist's default (--loadscope-reorder) sorts the groups by their
+    # number of tests, which sent the modules on the shared Ray apart and every test that stands alone (the benchmark
+    # smokes, a minute each for some) to the end of the run.
+    config.option.loadscopereorder = False
     return ByGroup(config, log)
 
 
