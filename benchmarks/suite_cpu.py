@@ -5,7 +5,6 @@ the dashboard and agents, pytest, torchrun ranks, benchmark scripts, pip...
     python benchmarks/suite_cpu.py --quick     # a smoke run: the command is `python -c "import torch"`
     python benchmarks/suite_cpu.py --by RAYMPI_TEST_MODULE -- ...   # and a second table, by that variable
 
-
 Every process on the machine is sampled from /proc every 0.3 s while the command runs (so run nothing else
 meanwhile); a process counts with its user + system time at the last sample that saw it, less what it had used
 when sampling began; one that lives under 0.3 s is missed.  Prints the command's exit status, its wall time, the
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 TICK = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.3
@@ -157,22 +156,20 @@ def main() -> int:
     print(f"machine CPU {machine:.1f} s (mean {machine / wall:.2f} cores busy); in the processes below {counted:.1f} s")
     print_table("kind", totals)
     if args.by:
+        by_label = tally(seen, lambda entry: entry.label)
         print()
-        print_table(args.by, tally(seen, lambda entry: entry.label))
+        print_table(args.by, by_label)
         print(f"\nthe kinds that used most CPU, by {args.by} (processes x kind: CPU-s)")
-        by_both = tally(seen, lambda entry: f"{entry.label}\0{entry.kind}")
-        for label, (_, cpu) in sorted(tally(seen, lambda entry: entry.label).items(), key=lambda kv: -kv[1][1]):
-            kinds = sorted(
-                ((k.split("\0")[1], v) for k, v in by_both.items() if k.split("\0")[0] == label),
-                key=lambda kv: -kv[1][1],
-            )
+        by_both = tally(seen, lambda entry: (entry.label, entry.kind))
+        for label, _ in sorted(by_label.items(), key=lambda kv: -kv[1][1]):
+            kinds = sorted(((k, v) for (lab, k), v in by_both.items() if lab == label), key=lambda kv: -kv[1][1])
             print(f"{label:<24} " + ", ".join(f"{int(n)} x {kind}: {c:.0f}" for kind, (n, c) in kinds[:6]))
     return child.returncode
 
 
-def tally(seen: dict[int, Seen], key: Callable[[Seen], str]) -> dict[str, list[float]]:
+def tally(seen: dict[int, Seen], key: Callable[[Seen], Any]) -> dict[Any, list[float]]:
     """Processes and CPU seconds by ``key``."""
-    totals: dict[str, list[float]] = {}
+    totals: dict[Any, list[float]] = {}
     for entry in seen.values():
         used = entry.last_s - entry.first_s
         if used > 0:

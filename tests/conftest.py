@@ -56,6 +56,11 @@ ALONE = {"test_benchmarks", "test_driver_loss", "test_gpu_carry"}
 ELASTIC_FIRST_HALF = ("test_killed_or_hung_worker_is_recovered", "test_node_loss_continues_on_fewer_workers")
 
 
+def module_of(request: pytest.FixtureRequest) -> str:
+    """The test module's name (``test_x``) in a module-scoped fixture."""
+    return request.node.name.rsplit("/", 1)[-1].removesuffix(".py")
+
+
 def tier_of(module: str) -> str:
     return next((tier for tier, modules in TIERS.items() if module in modules), "integration")
 
@@ -81,7 +86,7 @@ def pytest_collection_modifyitems(config, items):
         integration modules with a Ray of their own; then the modules on the shared Ray one after the other (between
         two of them any other module stops it, and the next starts Ray and its workers again: in file order each of
         the 9 modules on it came after one that stopped it); the unit tier last, filling in."""
-        tier = next(m.name for m in item.iter_markers() if m.name in ("unit", "integration", "system"))
+        tier = tier_of(item.module.__name__.rsplit(".", 1)[-1])
         rank = {"system": 0, "integration": 2 if item.module in on_shared_ray else 1, "unit": 3}[tier]
         return rank, group_of(item.nodeid) == item.nodeid
 
@@ -138,7 +143,7 @@ def _uses_ray_session(module: pytest.Module) -> bool:
 def _processes_name_their_module(request):
     """Every process a module starts inherits its name in ``RAYMPI_TEST_MODULE``: ``benchmarks/suite_cpu.py --by
     RAYMPI_TEST_MODULE`` tells where the suite's CPU goes, Ray's workers included (they inherit their raylet's)."""
-    os.environ["RAYMPI_TEST_MODULE"] = request.node.name.rsplit("/", 1)[-1].removesuffix(".py")
+    os.environ["RAYMPI_TEST_MODULE"] = module_of(request)
     yield
     os.environ.pop("RAYMPI_TEST_MODULE", None)
 
@@ -160,10 +165,10 @@ def _integration_fits_reuse_their_workers(request):
     """In the integration tier a ``fit`` takes the worker processes the previous one kept (``keep_workers``,
     README) and starts no hot spare unless it asks for one (``spares=``): a test pays for its model and data, not
     for starting processes and importing torch again.  Nothing in this tier fails a worker, and a spare was one
-    more process for every new shape (measured: the tier's CPU 439 -> 362 s, benchmarks/README.md).  Starting
-    afresh and the default spare stay covered: the first fit of a shape, every other tier (the elastic, chaos and
-    benchmark runs start theirs), and the tests that set ``keep_workers=False``."""
-    if tier_of(request.node.name.rsplit("/", 1)[-1].removesuffix(".py")) != "integration":
+    more process for every new shape (the tier side by side, with the new order too: 578 -> 524 CPU-s, 305 -> 275
+    s; benchmarks/README.md).  Starting afresh and the default spare stay covered: the first fit of a shape, every
+    other tier (the elastic, chaos and benchmark runs start theirs), and the tests that set ``keep_workers=False``."""
+    if tier_of(module_of(request)) != "integration":
         yield
         return
     import raympi
