@@ -118,8 +118,8 @@ def sample(seen: dict[int, Seen], first: bool, me: int, by: str | None = None) -
             continue
         entry.last_s = now[0]
         if entry.kind.startswith("ray::") or entry.kind == UNTITLED:  # Ray titles a worker by what it runs
-            title = kind_of(pid)
-            if title is not None and (title != "ray::IDLE" or entry.kind == UNTITLED):
+            title = kind_of(pid)  # a worker that is exiting has no command line left ("kernel"): not a new title
+            if title is not None and title.startswith("ray::") and (title != "ray::IDLE" or entry.kind == UNTITLED):
                 entry.kind = title  # an actor's class, once it has had one (not IDLE, the title of a free worker)
 
 
