@@ -64,14 +64,8 @@ def fits_keep_their_workers(cluster):
     failure is recovered in workers that trained a run before, as in a user's notebook, and a test pays for its
     failure, not for starting processes and importing torch again (each test's first fit of a new shape still
     starts afresh: the tests are ordered so that shapes follow one another).  After the module: none is left."""
-    fit = raympi.fit
-
-    def fit_keeping_workers(*args, **kwargs):
-        kwargs.setdefault("keep_workers", True)
-        return fit(*args, **kwargs)
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(raympi, "fit", fit_keeping_workers)
+        patch.setenv("RAYMPI_KEEP_WORKERS", "1")  # fit's default (a driver subprocess on its own Ray keeps none)
         yield
     raympi.release_workers()
     _only_kept_workers_alive()
