@@ -1,6 +1,15 @@
 """The heartbeat (raympi.driver.heartbeat): who is silent, who is only slow, and how the limit follows the machine."""
 
-from raympi.driver.heartbeat import BEAT_S, SILENT_S, SLOW_FACTOR, Heartbeat, silent_ranks
+from raympi.driver.heartbeat import (
+    BEAT_S,
+    SILENT_S,
+    SLOW_FACTOR,
+    START_FACTOR,
+    START_FLOOR_S,
+    Heartbeat,
+    silent_ranks,
+    start_hung,
+)
 
 LATE = SILENT_S + 0.1
 
@@ -26,6 +35,18 @@ def test_others_must_have_answered_a_ping_sent_after_the_late_one():
 
 def test_several_silent_ranks_are_all_named():
     assert silent_ranks({1: 0.0, 3: 0.1}, {0: 0.5, 2: 0.6}, now=2.0, silent_s=SILENT_S) == [1, 3]
+
+
+def test_a_rank_still_starting_long_after_its_peers_started_is_hung():
+    """A starting worker answers no ping: it is judged by how long the others took to start."""
+    assert start_hung([2.0, 3.0], waited_s=START_FLOOR_S + 1)
+    assert start_hung([10.0], waited_s=START_FACTOR * 10.0 + 1)
+
+
+def test_a_start_is_not_judged_before_the_floor_or_while_no_peer_has_started():
+    assert not start_hung([2.0], waited_s=START_FLOOR_S - 1)  # 4x the peers, but within the floor
+    assert not start_hung([10.0], waited_s=START_FACTOR * 10.0 - 1)  # slow peers: slow starts are normal here
+    assert not start_hung([], waited_s=10 * START_FLOOR_S)  # every rank slow: startup_timeout_s decides
 
 
 class _Ping:

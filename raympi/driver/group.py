@@ -18,7 +18,7 @@ from raympi import comm
 from raympi.deadline import Deadline, Expired, each_done
 from raympi.driver.capacity import cluster_capacity, spans_hosts, worker_bundle
 from raympi.driver.config import FitConfig
-from raympi.driver.heartbeat import BEAT_S, SILENT_S, Heartbeat
+from raympi.driver.heartbeat import BEAT_S, SILENT_S, Heartbeat, start_hung
 from raympi.driver.policy import Failed, Failure, FailureKind
 from raympi.driver import pool, tune
 from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
@@ -434,7 +434,8 @@ class WorkerGroup:
     ) -> list[Any]:
         """Results of one call per rank, failing fast on the first error and at ``deadline``.
 
-        ``first_call``: the workers' first call, where dying on a live node means the spec did not unpickle.
+        ``first_call``: the workers' first call, where dying on a live node means the spec did not unpickle,
+        and a rank still starting long after its peers started is hung (:func:`~raympi.driver.heartbeat.start_hung`).
         ``heartbeat``: ping every rank while waiting (:mod:`raympi.driver.heartbeat`); a rank silent for
         ``SILENT_S`` while the others answer is hung (stopped, cut off), found without waiting for ``deadline``,
         unless Ray reports it dead within ``DEATH_NOTICE_S`` (then it is a lost worker).
@@ -446,12 +447,16 @@ class WorkerGroup:
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
         watch = self._heartbeat() if heartbeat and self.world > 1 else None
+        began, ready_s = time.monotonic(), list[float]()  # how long each rank that answered took, for start_hung
         try:
             while pending:
                 wait = deadline if watch is None else deadline.sooner(BEAT_S)
+                if first_call and len(refs) > 1:
+                    wait = wait.sooner(1.0)
                 try:
                     for ref in each_done(pending, wait):
                         pending.remove(ref)
+                        ready_s.append(time.monotonic() - began)
                         self._check(ref, rank_of[ref], what, first_call=first_call)
                 except Expired as expired:
                     if deadline.expired():
@@ -461,6 +466,17 @@ class WorkerGroup:
                         if since + deadline.seconds <= time.monotonic():
                             raise Expired(deadline, expired.pending) from None
                         deadline = Deadline(deadline.seconds, deadline.field, start=since)
+                    waited_s = time.monotonic() - began
+                    if first_call and start_hung(ready_s, waited_s):  # no thread answers pings yet: peers judge
+                        late = sorted(rank_of[ref] for ref in pending)
+                        raise Failed(
+                            self._failure(
+                                FailureKind.HUNG,
+                                f"{what}: rank(s) {late} still starting after {waited_s:.0f} s, while the others "
+                                f"started within {max(ready_s):.1f} s (a hung process)",
+                                late,
+                            )
+                        )
                     stuck = watch.silent() if watch is not None else []
                     if stuck:  # the others answered later pings: hung, not merely slow, unless it died
                         late = [ref for ref in pending if rank_of[ref] in stuck]

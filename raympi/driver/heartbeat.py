@@ -11,6 +11,9 @@ Each answer is also the rank's count of work done (steps, evaluation batches): :
 tells the driver when every rank it waits on last moved on, so ``step_timeout_s`` counts from the last
 step finished rather than from the start of a chunk, and a rank that is only slow (a machine loaded many
 times over) is never taken for a hung one.
+
+A worker that is still starting (importing torch, unpickling the model) has no thread to answer a ping yet:
+:func:`start_hung` judges it by how long its peers took to start instead.
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ import math
 import time
 from typing import Any, Callable, Sequence
 
-__all__ = ["BEAT_S", "SILENT_S", "Heartbeat", "silent_ranks"]
+__all__ = ["BEAT_S", "SILENT_S", "Heartbeat", "silent_ranks", "start_hung"]
 
 BEAT_S = 0.15  # how often every rank is pinged (one ping in flight per rank) while the driver waits
 SILENT_S = 0.6  # a ping unanswered this long, while another rank answered a later one: the rank is silent
 SLOW_FACTOR = 4.0  # ... or this many times the slowest answer of the last RECENT, when that is longer
 RECENT = 64
+# A rank still starting this many times as long as the slowest of its peers took to start, and at least
+# START_FLOOR_S, is hung (the third of 3 workers on 2 cores starts after one of the first two: about 2x; a
+# loaded machine imports torch in 5-10 s).  Found well within restart_timeout_s, so a cold restart can try again.
+START_FACTOR = 4.0
+START_FLOOR_S = 30.0
 
 
 def silent_ranks(unanswered: dict[int, float], answered: dict[int, float], now: float, silent_s: float) -> list[int]:
@@ -37,6 +45,12 @@ def silent_ranks(unanswered: dict[int, float], answered: dict[int, float], now: 
         for r in late
         if any(sent > unanswered[r] for other, sent in answered.items() if other not in late and other != r)
     )
+
+
+def start_hung(ready_s: Sequence[float], waited_s: float) -> bool:
+    """Whether the ranks still starting after ``waited_s`` are hung, given how long the ranks that have
+    started took (``ready_s``, from the same moment); never while none has started."""
+    return bool(ready_s) and waited_s > max(START_FLOOR_S, START_FACTOR * max(ready_s))
 
 
 class Heartbeat:
