@@ -7,6 +7,7 @@ metrics log, the manifests without history, and every decision taken by the poli
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -17,7 +18,7 @@ from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import parse_config
 from raympi.driver.controller import Controller
 from raympi.driver.pipeline import ChunkPlan
-from raympi.driver.policy import Failure, FailureKind
+from raympi.driver.policy import Failed, Failure, FailureKind
 from raympi.driver.report import MetricsLog, read_metrics
 from raympi.driver.run_state import History, RunState
 from raympi.exceptions import CapacityError, TrainingError
@@ -129,6 +130,45 @@ def test_a_user_error_while_restarting_stops_the_run(tmp_path):
     with pytest.raises(TrainingError, match="raised ValueError: bad"):
         controller.fit()
     store.close()
+
+
+def _hangs_from(first_hung: int, last_hung: int):
+    """A group factory whose starts number ``first_hung`` to ``last_hung`` (from 1) fail as a worker hung while
+    starting does: found after restart_timeout_s (0.5 s here) has passed."""
+    starts: list[int] = []
+
+    def make(*args, **kwargs):
+        starts.append(len(starts) + 1)
+        if first_hung <= starts[-1] <= last_hung:
+            time.sleep(0.6)
+            raise Failed(Failure(FailureKind.HUNG, "starting the workers: rank(s) [1] still starting", ranks=(1,)))
+        return FakeGroup(*args, **kwargs)
+
+    return make, starts
+
+
+def test_a_restart_whose_start_hung_past_the_restart_deadline_gets_one_try_more(tmp_path):
+    """restart_timeout_s bounds the wait for room: a try that ran past it and failed in a worker, with room
+    for the group, is tried once more (a chaos run lost its cold restart there)."""
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
+    make, starts = _hangs_from(2, 2)
+    controller, store = _controller(tmp_path, pipeline, new_group=make)
+    run = controller.fit()
+    store.close()
+    assert starts == [1, 2, 3] and [(r.path, r.restored_step) for r in run.restarts] == [("cold", 20)]
+    assert run.step == 30
+
+
+def test_a_restart_whose_every_start_hangs_gives_up_after_one_try_past_the_deadline(tmp_path):
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
+    make, starts = _hangs_from(2, 99)
+    controller, store = _controller(tmp_path, pipeline, new_group=make)
+    with pytest.raises(CapacityError, match=r"kept failing \(last: starting the workers: rank\(s\) \[1\] still"):
+        controller.fit()
+    store.close()
+    assert starts == [1, 2, 3]
 
 
 def test_a_run_resumed_from_metrics_jsonl(tmp_path):

@@ -10,6 +10,7 @@ when an action cannot be carried out it raises, and the controller asks the poli
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import time
 from typing import Any, Callable
@@ -182,8 +183,13 @@ def cold(
     deadline = Deadline(cfg.restart_timeout_s, "restart_timeout_s")
     last_error: Exception | None = None
     cap = cfg.workers
-    for remaining in deadline.backoff(first_s=0.05, most_s=1.0):
+    # The deadline bounds the wait for room: a try that ran past it and failed in a worker (hung or lost as it
+    # started), with room for the group, earns one try more.
+    tries = itertools.chain(deadline.backoff(first_s=0.05, most_s=1.0), [1.0])
+    for remaining in tries:
         world = min(cap, capacity(bundle))
+        if deadline.expired() and not (isinstance(last_error, Failed) and world >= cfg.min_workers):
+            break
         if world >= cfg.min_workers:
             try:
                 group = start_group(world, state, min(5.0, max(1.0, remaining)))
