@@ -3,8 +3,10 @@ every step reaches Tune, checkpoints go to Tune and come back (PBT), a plain tra
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray.cloudpickle
@@ -26,12 +28,26 @@ def _data():
     return x, (x[:, 0] > 0).long()
 
 
+def _meet(folder: str, trials: int, timeout_s: float = 120.0) -> None:
+    """Sign in at ``folder`` and wait until ``trials`` workers have (or ``timeout_s`` passed)."""
+    Path(folder, str(os.getpid())).touch()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(folder)) < trials and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Paced(nn.Sequential):
-    """Steps of at least ``pause`` seconds, so that trials run side by side long enough for PBT to compare them."""
+    """Steps of at least ``pause`` seconds, so that trials run side by side long enough for PBT to compare them;
+    with ``meet`` (a folder), the first step waits for the other trial's worker to take its first step too: on
+    a loaded machine a trial whose worker started late found the other one finished, with nobody to learn from."""
 
     pause = 0.0
+    meet: str | None = None
 
     def forward(self, x):
+        if self.meet is not None and not getattr(self, "met", False):
+            _meet(self.meet, 2)
+            self.met = True
         time.sleep(self.pause)
         return super().forward(x)
 
@@ -40,6 +56,7 @@ def train_fn(config):
     torch.manual_seed(0)
     model = Paced(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     model.pause = config.get("pause", 0.0)
+    model.meet = config.get("meet")
     raympi.fit(
         model,
         _data(),
@@ -114,10 +131,12 @@ def test_pbt_clones_a_trial_from_its_checkpoint(two_cpus, tmp_path):
         time_attr="step", perturbation_interval=8, hyperparam_mutations={"lr": [0.3, 0.01]}, quantile_fraction=0.5
     )
     trainable = raympi.tune.trainable(train_fn, workers=1)
+    meet = tmp_path / "meet"
+    meet.mkdir()
     results = _tuner(
         trainable,
         tmp_path,
-        {"lr": tune.grid_search([0.3, 0.0]), "epochs": 4, "checkpoint_every": 8, "pause": 0.1},
+        {"lr": tune.grid_search([0.3, 0.0]), "epochs": 4, "checkpoint_every": 8, "pause": 0.1, "meet": str(meet)},
         metric="loss",
         mode="min",
         scheduler=pbt,
@@ -137,6 +156,7 @@ def test_pbt_clones_a_trial_from_its_checkpoint(two_cpus, tmp_path):
         list(zip(f["step"], f["iterations_since_restore"])) for f in frames
     ]
     assert all(r.metrics["loss"] < 0.6 for r in results), [r.metrics["loss"] for r in results]
+    assert len(os.listdir(meet)) >= 2  # both trials' workers stepped side by side
     assert _all_released(two_cpus)
 
 
