@@ -183,12 +183,12 @@ def cold(
     deadline = Deadline(cfg.restart_timeout_s, "restart_timeout_s")
     last_error: Exception | None = None
     cap = cfg.workers
-    # The deadline bounds the wait for room: a try that ran past it and failed in a worker (hung or lost as it
-    # started), with room for the group, earns one try more.
+    # The deadline bounds the wait for room: a try that failed past it (a worker hung or lost as it started, a
+    # formation cut short), with room for the group, earns one try more.
     tries = itertools.chain(deadline.backoff(first_s=0.05, most_s=1.0), [1.0])
     for remaining in tries:
         world = min(cap, capacity(bundle))
-        if deadline.expired() and not (isinstance(last_error, Failed) and world >= cfg.min_workers):
+        if deadline.expired() and (last_error is None or world < cfg.min_workers):
             break
         if world >= cfg.min_workers:
             try:
