@@ -5,7 +5,7 @@ from raympi.driver.heartbeat import (
     SILENT_S,
     SLOW_FACTOR,
     START_FACTOR,
-    START_FLOOR_S,
+    START_FLOOR_SHARE,
     Heartbeat,
     silent_ranks,
     start_hung,
@@ -37,16 +37,26 @@ def test_several_silent_ranks_are_all_named():
     assert silent_ranks({1: 0.0, 3: 0.1}, {0: 0.5, 2: 0.6}, now=2.0, silent_s=SILENT_S) == [1, 3]
 
 
+STARTUP_S = 120.0
+FLOOR_S = START_FLOOR_SHARE * STARTUP_S
+
+
 def test_a_rank_still_starting_long_after_its_peers_started_is_hung():
     """A starting worker answers no ping: it is judged by how long the others took to start."""
-    assert start_hung([2.0, 3.0], waited_s=START_FLOOR_S + 1)
-    assert start_hung([10.0], waited_s=START_FACTOR * 10.0 + 1)
+    assert start_hung([2.0, 3.0], waited_s=FLOOR_S + 1, startup_timeout_s=STARTUP_S)
+    assert start_hung([10.0], waited_s=START_FACTOR * 10.0 + 1, startup_timeout_s=STARTUP_S)
 
 
 def test_a_start_is_not_judged_before_the_floor_or_while_no_peer_has_started():
-    assert not start_hung([2.0], waited_s=START_FLOOR_S - 1)  # 4x the peers, but within the floor
-    assert not start_hung([10.0], waited_s=START_FACTOR * 10.0 - 1)  # slow peers: slow starts are normal here
-    assert not start_hung([], waited_s=10 * START_FLOOR_S)  # every rank slow: startup_timeout_s decides
+    assert not start_hung([2.0], waited_s=FLOOR_S - 1, startup_timeout_s=STARTUP_S)  # 4x the peers, within the floor
+    assert not start_hung([10.0], waited_s=START_FACTOR * 10.0 - 1, startup_timeout_s=STARTUP_S)  # slow peers
+    assert not start_hung([], waited_s=10 * FLOOR_S, startup_timeout_s=STARTUP_S)  # all slow: startup_timeout_s decides
+
+
+def test_a_longer_startup_timeout_gives_a_start_longer():
+    """Nodes that start slowly (a runtime_env installed on a new one): raising startup_timeout_s raises the floor."""
+    assert start_hung([2.0], waited_s=60.0, startup_timeout_s=120.0)
+    assert not start_hung([2.0], waited_s=60.0, startup_timeout_s=600.0)
 
 
 class _Ping:

@@ -129,7 +129,12 @@ class FitConfig(BaseModel):
     restart_timeout_s: float = Field(
         60.0, gt=0, description="how long a restart waits for capacity of at least min_workers"
     )
-    startup_timeout_s: float = Field(120.0, gt=0, description="placing the workers, starting them and forming MPI")
+    startup_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="placing the workers, starting them and forming MPI; a worker still starting 4x as long as the "
+        "others took, and a quarter of this, is taken for hung",
+    )
     step_timeout_s: float = Field(
         10.0,
         gt=0,

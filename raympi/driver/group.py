@@ -467,7 +467,9 @@ class WorkerGroup:
                             raise Expired(deadline, expired.pending) from None
                         deadline = Deadline(deadline.seconds, deadline.field, start=since)
                     waited_s = time.monotonic() - began
-                    if first_call and start_hung(ready_s, waited_s):  # no thread answers pings yet: peers judge
+                    if first_call and start_hung(
+                        ready_s, waited_s, self.cfg.startup_timeout_s
+                    ):  # no thread answers pings yet: peers judge
                         late = sorted(rank_of[ref] for ref in pending)
                         raise Failed(
                             self._failure(

@@ -29,11 +29,12 @@ BEAT_S = 0.15  # how often every rank is pinged (one ping in flight per rank) wh
 SILENT_S = 0.6  # a ping unanswered this long, while another rank answered a later one: the rank is silent
 SLOW_FACTOR = 4.0  # ... or this many times the slowest answer of the last RECENT, when that is longer
 RECENT = 64
-# A rank still starting this many times as long as the slowest of its peers took to start, and at least
-# START_FLOOR_S, is hung (the third of 3 workers on 2 cores starts after one of the first two: about 2x; a
-# loaded machine imports torch in 5-10 s).  Found well within restart_timeout_s, so a cold restart can try again.
+# A rank still starting this many times as long as the slowest of its peers took to start, and at least this
+# share of startup_timeout_s (30 s at its default), is hung: the third of 3 workers on 2 cores starts after one
+# of the first two (about 2x), a loaded machine imports torch in 5-10 s, and a user whose nodes start slowly
+# (a runtime_env installed on a new node) raises startup_timeout_s.  Found well within restart_timeout_s.
 START_FACTOR = 4.0
-START_FLOOR_S = 30.0
+START_FLOOR_SHARE = 0.25
 
 
 def silent_ranks(unanswered: dict[int, float], answered: dict[int, float], now: float, silent_s: float) -> list[int]:
@@ -47,10 +48,11 @@ def silent_ranks(unanswered: dict[int, float], answered: dict[int, float], now: 
     )
 
 
-def start_hung(ready_s: Sequence[float], waited_s: float) -> bool:
+def start_hung(ready_s: Sequence[float], waited_s: float, startup_timeout_s: float) -> bool:
     """Whether the ranks still starting after ``waited_s`` are hung, given how long the ranks that have
     started took (``ready_s``, from the same moment); never while none has started."""
-    return bool(ready_s) and waited_s > max(START_FLOOR_S, START_FACTOR * max(ready_s))
+    floor_s = START_FLOOR_SHARE * startup_timeout_s
+    return bool(ready_s) and waited_s > max(floor_s, START_FACTOR * max(ready_s))
 
 
 class Heartbeat:
