@@ -171,6 +171,26 @@ def test_a_restart_whose_every_start_hangs_gives_up_after_one_try_past_the_deadl
     assert starts == [1, 2, 3]
 
 
+def test_a_restart_whose_tries_fail_at_once_takes_no_try_past_the_deadline_but_the_last_look(tmp_path):
+    """Tries that fail quickly never overran the deadline: no try more, only the backoff's last look at it."""
+    plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
+    pipeline = ScriptedPipeline(plan, chunk=5, failures={25: Failure(FailureKind.COLLECTIVE, "a collective failed")})
+    tried: list[float] = []
+
+    def fails_at_once(*args, **kwargs):
+        tried.append(time.monotonic())
+        if len(tried) == 1:
+            return FakeGroup(*args, **kwargs)
+        raise Failed(Failure(FailureKind.FORMATION, "formation failed", ranks=()))
+
+    controller, store = _controller(tmp_path, pipeline, new_group=fails_at_once)
+    with pytest.raises(CapacityError, match="kept failing"):
+        controller.fit()
+    store.close()
+    restart = tried[1:]
+    assert len(restart) > 2 and len([t for t in restart if t > restart[0] + 0.5]) <= 1, restart
+
+
 def test_a_run_resumed_from_metrics_jsonl(tmp_path):
     """A resume reads the history it needs from metrics.jsonl, the last line of a step winning."""
     log = MetricsLog(str(tmp_path / "metrics.jsonl"), CheckpointStore(str(tmp_path)).fs)

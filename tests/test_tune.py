@@ -43,9 +43,10 @@ class Paced(nn.Sequential):
 
     pause = 0.0
     meet: str | None = None
+    trial_driver = -1  # the pid of the process that calls fit (its one-batch dry run steps there first)
 
     def forward(self, x):
-        if self.meet is not None and not getattr(self, "met", False):
+        if self.meet is not None and os.getpid() != self.trial_driver and not getattr(self, "met", False):
             _meet(self.meet, 2)
             self.met = True
         time.sleep(self.pause)
@@ -56,7 +57,7 @@ def train_fn(config):
     torch.manual_seed(0)
     model = Paced(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     model.pause = config.get("pause", 0.0)
-    model.meet = config.get("meet")
+    model.meet, model.trial_driver = config.get("meet"), os.getpid()
     raympi.fit(
         model,
         _data(),

@@ -32,7 +32,8 @@ RECENT = 64
 # A rank still starting this many times as long as the slowest of its peers took to start, and at least this
 # share of startup_timeout_s (30 s at its default), is hung: the third of 3 workers on 2 cores starts after one
 # of the first two (about 2x), a loaded machine imports torch in 5-10 s, and a user whose nodes start slowly
-# (a runtime_env installed on a new node) raises startup_timeout_s.  Found well within restart_timeout_s.
+# (a runtime_env installed on a new node) raises startup_timeout_s.  At the defaults, found well within
+# restart_timeout_s.
 START_FACTOR = 4.0
 START_FLOOR_SHARE = 0.25
 

@@ -46,7 +46,7 @@ class FailureKind(str, enum.Enum):
     """Why the pipeline stopped: infrastructure failures, user errors and planned stops."""
 
     WORKER_LOST = "worker_lost"  # an actor or its node died
-    HUNG = "hung"  # a rank made no progress within step_timeout_s
+    HUNG = "hung"  # a rank stopped answering, made no progress within step_timeout_s, or hung as it started
     COLLECTIVE = "collective"  # MPI reported a failed collective; which peer is not known
     FORMATION = "formation"  # starting or joining a new group failed
     USER_ERROR = "user_error"  # the model, loss or data raised: never retried

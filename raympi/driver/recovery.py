@@ -10,7 +10,6 @@ when an action cannot be carried out it raises, and the controller asks the poli
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import sys
 import time
 from typing import Any, Callable
@@ -183,27 +182,40 @@ def cold(
     deadline = Deadline(cfg.restart_timeout_s, "restart_timeout_s")
     last_error: Exception | None = None
     cap = cfg.workers
-    # The deadline bounds the wait for room: a try that failed past it (a worker hung or lost as it started, a
-    # formation cut short), with room for the group, earns one try more.
-    tries = itertools.chain(deadline.backoff(first_s=0.05, most_s=1.0), [1.0])
-    for remaining in tries:
+
+    def attempt(world: int, place_timeout_s: float) -> tuple[WorkerGroup, RunState] | None:
+        nonlocal last_error, cap
+        try:
+            group = start_group(world, state, place_timeout_s)
+        except (CapacityError, FormationError, Failed) as error:  # a node went away meanwhile: count again
+            if isinstance(error, Failed) and error.failure.kind is FailureKind.USER_ERROR:
+                raise  # the policy's to decide on
+            last_error = error
+            # Ray may still count a cut-off node as alive: ask for one worker fewer next time
+            # (a later checkpoint grows the group back once the capacity is real).
+            cap = max(cfg.min_workers, world - 1)
+            return None
+        done = dataclasses.replace(
+            record, world_after=group.world, steps_lost=max(0, record.step - step), restored_step=step
+        )
+        return group, _append(run, done, failure, history=history, step=step, start_step=step)
+
+    overran = False  # the last try started before the deadline and failed after it
+    for remaining in deadline.backoff(first_s=0.05, most_s=1.0):
         world = min(cap, capacity(bundle))
-        if deadline.expired() and (last_error is None or world < cfg.min_workers):
-            break
         if world >= cfg.min_workers:
-            try:
-                group = start_group(world, state, min(5.0, max(1.0, remaining)))
-                record = dataclasses.replace(
-                    record, world_after=group.world, steps_lost=max(0, record.step - step), restored_step=step
-                )
-                return group, _append(run, record, failure, history=history, step=step, start_step=step)
-            except (CapacityError, FormationError, Failed) as error:  # a node went away meanwhile: count again
-                if isinstance(error, Failed) and error.failure.kind is FailureKind.USER_ERROR:
-                    raise  # the policy's to decide on
-                last_error = error
-                # Ray may still count a cut-off node as alive: ask for one worker fewer next time
-                # (a later checkpoint grows the group back once the capacity is real).
-                cap = max(cfg.min_workers, world - 1)
+            in_time = not deadline.expired()
+            started = attempt(world, min(5.0, max(1.0, remaining)))
+            if started:
+                return started
+            overran = in_time and deadline.expired()
+    # The deadline bounds the wait for room: a try that started in time and failed past it (a worker hung as it
+    # started, a formation cut short) earns one more, where there is room.
+    if overran:
+        world = min(cap, capacity(bundle))
+        started = attempt(world, 5.0) if world >= cfg.min_workers else None
+        if started:
+            return started
     why = (
         f"the cluster can host {world} worker(s) of {bundle}, fewer than min_workers={cfg.min_workers}"
         if world < cfg.min_workers
