@@ -80,7 +80,11 @@ def test_every_node_installs_mpich_mpi4py_and_raympi(name):
     for key in ("head_setup_commands", "worker_setup_commands"):  # after Ray merged setup_commands in
         commands = prepared[key]
         assert any(f'"{MPICH_PIN}"' in c and re.search(r"\bmpi4py\b", c) for c in commands), (key, commands)
-        assert any(re.fullmatch(r"pip install -e ~/raympi", c.strip()) for c in commands), (key, commands)
+        # under the setup lock: hosts that share a home (NFS) must not install into one venv at once
+        assert any(re.fullmatch(r"flock ~/.raympi-setup.lock pip install -e ~/raympi", c.strip()) for c in commands), (
+            key,
+            commands,
+        )
     # The checkout that is installed: "." is the repository root when `ray up` runs there.
     assert raw["file_mounts"]["~/raympi"] == "."
     assert (ROOT / "pyproject.toml").is_file()
