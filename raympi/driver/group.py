@@ -466,17 +466,16 @@ class WorkerGroup:
                         if since + deadline.seconds <= time.monotonic():
                             raise Expired(deadline, expired.pending) from None
                         deadline = Deadline(deadline.seconds, deadline.field, start=since)
+                    # A starting rank has no thread to answer pings yet: its peers' starts judge it.
                     waited_s = time.monotonic() - began
-                    if first_call and start_hung(
-                        ready_s, waited_s, self.cfg.startup_timeout_s
-                    ):  # no thread answers pings yet: peers judge
-                        late = sorted(rank_of[ref] for ref in pending)
+                    if first_call and start_hung(ready_s, waited_s, self.cfg.startup_timeout_s):
+                        starting = sorted(rank_of[ref] for ref in pending)
                         raise Failed(
                             self._failure(
                                 FailureKind.HUNG,
-                                f"{what}: rank(s) {late} still starting after {waited_s:.0f} s, while the others "
-                                f"started within {max(ready_s):.1f} s (a hung process)",
-                                late,
+                                f"{what}: rank(s) {starting} still starting after {waited_s:.0f} s, while the "
+                                f"others started within {max(ready_s):.1f} s (a hung process)",
+                                starting,
                             )
                         )
                     stuck = watch.silent() if watch is not None else []
