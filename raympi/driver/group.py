@@ -452,7 +452,7 @@ class WorkerGroup:
             while pending:
                 wait = deadline if watch is None else deadline.sooner(BEAT_S)
                 if first_call and len(refs) > 1:
-                    wait = wait.sooner(1.0)
+                    wait = wait.sooner(1.0)  # to judge the ranks still starting (start_hung) once a second
                 try:
                     for ref in each_done(pending, wait):
                         pending.remove(ref)
