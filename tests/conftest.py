@@ -33,6 +33,7 @@ TIERS = {
         "test_pipeline",
         "test_policy",
         "test_precision",
+        "test_shard",
         "test_state",
         "test_step",
     },

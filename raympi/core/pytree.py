@@ -19,6 +19,7 @@ __all__ = [
     "unflatten",
     "map",
     "leaves",
+    "dict_keys_of_leaves",
     "tensor_leaves",
     "register_dataclass",
     "to_arrays",
@@ -39,6 +40,12 @@ def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
 def leaves(tree: Any) -> list[Any]:
     """The leaves of ``tree``, in flatten order."""
     return _pt.tree_leaves(tree)
+
+
+def dict_keys_of_leaves(tree: Any) -> list[tuple[Any, ...]]:
+    """For each leaf of ``tree`` in flatten order, the keys of the dicts on its path, outermost first."""
+    pairs, _ = _pt.tree_flatten_with_path(tree)
+    return [tuple(k.key for k in path if isinstance(k, _pt.MappingKey)) for path, _ in pairs]
 
 
 def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:  # noqa: A001 - mirrors jax.tree.map

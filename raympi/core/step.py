@@ -63,6 +63,7 @@ from raympi.core.precision import (
     unscale_,
 )
 from raympi.core.rng import seed_generators, step_seed
+from raympi.core.shard import ShardLayout, ShardSync, apply_sharded, check_shardable, reduce_gradients
 from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
 
@@ -106,6 +107,7 @@ def make_train_step(
     accumulate: int = 1,
     metrics: Optional[dict[str, MetricFn]] = None,
     overlap: bool = False,
+    shard_optimizer: bool = False,
 ) -> Callable[..., tuple[TrainState, Metrics]]:
     """Build ``train_step(state, batch, global_batch_size=None) -> (new_state, metrics)``.
 
@@ -188,6 +190,12 @@ def make_train_step(
         overlap: sum the gradients over the ranks while backward runs (DDP's buckets, see
             :mod:`~raympi.core.overlap`; with ``accumulate`` the last micro-batch's backward).
             ``grad_sync`` must then be a :class:`~raympi.core.overlap.BucketSync` (``None``: no effect).
+        shard_optimizer: keep only this rank's slice of the optimizer state and of the summed
+            gradients (ZeRO-2, :mod:`~raympi.core.shard`): a reduce-scatter of the gradients, the
+            optimizer on this rank's slice, an all-gather of the parameters.  ``grad_sync`` must then
+            be a :class:`~raympi.core.shard.ShardSync` (``None``: a world of one); the state's
+            ``opt_state`` becomes a :class:`~raympi.optim.ShardedState` (an unsharded one is cut on
+            the first step).  Equal to the unsharded step up to summation order.
 
     Returns:
         ``train_step``, a pure function of ``(state, batch, global_batch_size)``
@@ -195,7 +203,9 @@ def make_train_step(
 
     Raises:
         ConfigError: no trainable parameter, or a bad ``on_nonfinite``,
-            ``precision``, ``loss_scaling``, ``accumulate`` or metric name.
+            ``precision``, ``loss_scaling``, ``accumulate`` or metric name; ``shard_optimizer``
+            with ``overlap``, with a ``grad_sync`` that cannot reduce-scatter, or with parameters
+            of several dtypes.
 
     Example:
         >>> step = make_train_step(model, F.cross_entropy, raympi.optim.sgd(0.1),
@@ -213,6 +223,18 @@ def make_train_step(
     layout = StatsLayout(tuple(check_metric_names(metric_fns, RESERVED, "metrics")), overflow_flags=bool(scaler))
     trainable = frozenset(_trainable(model))
     overlapped = overlap and grad_sync is not None
+    if shard_optimizer:
+        check_shardable({n: p for n, p in model.named_parameters() if n in trainable})
+        if overlapped:
+            raise ConfigError(
+                "shard_optimizer=True cannot be combined with overlap=True yet (the buckets would be "
+                "all-reduced, not reduce-scattered): set overlap=False"
+            )
+        if grad_sync is not None and not all(hasattr(grad_sync, a) for a in ("reduce_scatter", "all_gather_", "sum_")):
+            raise ConfigError(
+                "shard_optimizer=True needs a grad_sync with reduce_scatter, all_gather_ and sum_ "
+                "(raympi.core.shard.ShardSync: the MPI communicator or a gloo/NCCL process group)"
+            )
     if overlapped and not isinstance(grad_sync, BucketSync):
         raise ConfigError(
             "overlap=True needs a grad_sync with bucket_bytes, start, finish and abandon "
@@ -233,6 +255,7 @@ def make_train_step(
         overlapped=overlapped,
         layout=layout,
         trainable=trainable,
+        shard=shard_optimizer,
         mutable=frozenset(n for n, _ in model.named_buffers()),  # frozen parameters are never written
     )
 
@@ -247,7 +270,9 @@ def make_train_step(
         # give it copies so the input state stays as it was.
         buffers = {k: (v.clone() if k in setup.mutable else v) for k, v in state.buffers.items()}
         grads, stats, classify = _gradients(setup, state, buffers, micros, global_n, scale)
-        if not overlapped:  # (overlapped, the buckets have summed both already)
+        if setup.shard:  # this rank's pieces of the sums; the statistics are summed in _read
+            grads, stats = _sync_shards(setup, grads, stats)
+        elif not overlapped:  # (overlapped, the buckets have summed both already)
             grads, stats = _sync(setup, grads, stats)
         read = _read(setup, grads, stats, scale, classify)
         if global_batch_size is not None and read.metrics["samples"] != global_n:
@@ -281,6 +306,7 @@ class _Setup:
     overlapped: bool  # the sum runs in buckets during the last backward
     layout: StatsLayout  # the statistics row
     trainable: frozenset[str]  # the names state.params must have
+    shard: bool  # shard_optimizer: this rank's slice of the sums and of the optimizer state
     mutable: frozenset[str]  # the real buffers: the forward pass may write them
 
 
@@ -385,10 +411,21 @@ def _sync(
     if setup.scaler:
         stats = torch.cat([stats, nonfinite_flag(list(grads.values())).to(stats.device)])
     tree: dict[str, Any] = {"grads": grads, "stats": stats}
-    if setup.grad_sync is not None:
+    if setup.grad_sync is not None:  # a tree sum (shard_optimizer goes through _sync_shards)
         synced = setup.grad_sync(tree)
         tree = tree if synced is None else synced
     return tree["grads"], tree["stats"]
+
+
+def _sync_shards(
+    setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """shard_optimizer: this rank's pieces of the summed gradients (a reduce-scatter); the statistics row,
+    with fp16 this rank's overflow flag, is summed later with the verdict on the pieces (:func:`_read`)."""
+    if setup.scaler:
+        stats = torch.cat([stats, nonfinite_flag(list(grads.values())).to(stats.device)])
+    sync = cast(Optional[ShardSync], setup.grad_sync)
+    return reduce_gradients(grads, ShardLayout.of(grads, 1 if sync is None else sync.size), sync), stats
 
 
 def _read(
@@ -397,11 +434,14 @@ def _read(
     """The summed statistics read to the host: the step's one host read.
 
     With fp16 the summed gradients are unscaled in place first, as GradScaler does after DDP's allreduce,
-    and their ``found_inf`` joins the row (:attr:`StatsLayout.sum_overflow`).
+    and their ``found_inf`` joins the row (:attr:`StatsLayout.sum_overflow`).  With ``shard_optimizer``
+    the gradients are this rank's pieces: the row, ``found_inf`` included, is summed over the ranks here.
     """
     if setup.scaler:
         found = unscale_(list(grads.values()), scale)
         stats = torch.cat([stats, found.to(stats.device, torch.float64)])
+    if setup.shard and setup.grad_sync is not None:
+        stats = cast(ShardSync, setup.grad_sync).sum_(stats)
     return read_stats(stats.tolist(), setup.layout, classify)
 
 
@@ -435,5 +475,9 @@ def _update(
     if read.overflow or not finite:
         # BatchNorm statistics of a forward whose loss was finite are kept, as in a torch loop.
         return state.replace(buffers=buffers if finite else state.buffers, **new), metrics
-    params, opt_state = apply_gradients(setup.optimizer, grads, state.opt_state, state.params, donate=setup.donate)
+    if setup.shard:  # never in place: a step abandoned in the all-gather leaves the state as it was
+        sync = cast(Optional[ShardSync], setup.grad_sync)
+        params, opt_state = apply_sharded(setup.optimizer, grads, state.opt_state, state.params, sync)
+    else:
+        params, opt_state = apply_gradients(setup.optimizer, grads, state.opt_state, state.params, donate=setup.donate)
     return state.replace(params=params, buffers=buffers, opt_state=opt_state, **new), metrics

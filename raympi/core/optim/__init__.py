@@ -77,9 +77,13 @@ from raympi.core.optim.base import (
     GradientTransformation,
     ScalarOrSchedule,
     Schedule,
+    ShardView,
     apply_gradients,
     apply_updates,
     chain,
+    cross_rank_sum,
+    shard_view,
+    sharded,
 )
 from raympi.core.optim.partition import masked, multi_transform, set_to_zero
 from raympi.core.optim.schedule import constant, cosine_decay, linear_warmup
@@ -121,5 +125,9 @@ __all__ = [
     "ema",
     "ema_params",
     "apply_if_finite",
+    "ShardView",
+    "sharded",
+    "shard_view",
+    "cross_rank_sum",
 ]
 __all__ += states.__all__

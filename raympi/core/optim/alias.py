@@ -28,9 +28,11 @@ from raympi.core.optim.base import (
     new_count,
     per_param,
     scaled,
+    shard_view,
 )
 from raympi.core.optim.states import FromTorchState, ScaleByAdamState, ScaleByScheduleState, TraceState
 from raympi.core.optim.transform import adam_init, adam_moments
+from raympi.exceptions import ConfigError
 
 __all__ = ["sgd", "adam", "adamw", "from_torch"]
 
@@ -233,6 +235,13 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Gra
     lr = kwargs.get("lr")
 
     def init(params: Params) -> OptState:
+        if shard_view() is not None:
+            raise ConfigError(
+                f"from_torch({optimizer_cls.__name__}) cannot be sharded (shard_optimizer=True): a torch.optim "
+                "optimizer sees whole parameter tensors, and some (Adafactor's factored moments, LAMB's trust "
+                "ratio) are not elementwise, so it cannot update 1-D slices. Use a native raympi.optim "
+                "optimizer (sgd, adam, adamw, ...) or shard_optimizer=False"
+            )
         if not isinstance(params, dict):
             raise TypeError("from_torch needs params as a flat dict name -> tensor")
         return FromTorchState(new_count(), {})

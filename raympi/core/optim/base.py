@@ -9,7 +9,9 @@ rates, argument checks).  Torch alone, no Ray or MPI.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -34,6 +36,10 @@ __all__ = [
     "per_param",
     "clone_tree",
     "from_fused",
+    "ShardView",
+    "shard_view",
+    "sharded",
+    "cross_rank_sum",
 ]
 
 Params = Any  # a tree of tensors (raympi uses a flat dict name -> tensor)
@@ -109,8 +115,48 @@ def check_betas(b1: float, b2: float) -> None:
         raise ValueError(f"betas must lie in [0, 1), got {(b1, b2)}")
 
 
+class ShardView(NamedTuple):
+    """What a transformation updating one rank's slices of the parameters needs of the whole.
+
+    Attributes:
+        full: every parameter as a ``meta`` tensor of its full shape and dtype (no memory): what
+            per-parameter masks and labels are evaluated on, never the 1-D slices.
+        sum_: sums a small tensor over the ranks in place and returns it (a global norm, a verdict).
+    """
+
+    full: dict[str, torch.Tensor]
+    sum_: Callable[[torch.Tensor], torch.Tensor]
+
+
+_SHARD: contextvars.ContextVar[Optional[ShardView]] = contextvars.ContextVar("raympi_shard", default=None)
+
+
+def shard_view() -> Optional[ShardView]:
+    """The :class:`ShardView` of the update running now, or ``None`` when it sees whole parameters."""
+    return _SHARD.get()
+
+
+@contextlib.contextmanager
+def sharded(view: ShardView) -> Iterator[None]:
+    """Run an optimizer's ``init`` / ``update`` on this rank's slices, with ``view`` of the whole."""
+    token = _SHARD.set(view)
+    try:
+        yield
+    finally:
+        _SHARD.reset(token)
+
+
+def cross_rank_sum(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over the ranks whose slices make the parameters (itself when unsharded)."""
+    view = _SHARD.get()
+    return value if view is None else view.sum_(value)
+
+
 def per_param(spec: Any, params: Params, what: str) -> dict[Any, Any]:
     """A per-parameter setting evaluated for the flat dict ``params``.
+
+    A callable ``spec`` sees the whole parameters: under :func:`sharded` (one rank's 1-D slices),
+    their full-shape ``meta`` stand-ins, so ``p.ndim >= 2`` means the same on every rank.
 
     Args:
         spec: a dict name -> value, or a callable ``params -> dict``.
@@ -125,7 +171,8 @@ def per_param(spec: Any, params: Params, what: str) -> dict[Any, Any]:
     """
     if not isinstance(params, dict):
         raise TypeError(f"{what} needs params as a flat dict name -> tensor, got {type(params).__name__}")
-    values: dict[Any, Any] = spec(params) if callable(spec) else spec
+    view = _SHARD.get()
+    values: dict[Any, Any] = spec(params if view is None else view.full) if callable(spec) else spec
     missing = [n for n in params if n not in values]
     if missing:
         raise ValueError(f"{what} has no entry for parameter(s) {missing}")

@@ -35,6 +35,7 @@ __all__ = [
     "MultiTransformState",
     "InjectHyperparamsState",
     "ApplyIfFiniteState",
+    "ShardedState",
     "STATE_TYPES",
     "TYPE_KEY",
     "find_states",
@@ -115,6 +116,18 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any  # the guarded optimizer's
 
 
+class ShardedState(NamedTuple):
+    """One rank's part of an optimizer state sharded over the ranks (``shard_optimizer=True``).
+
+    ``inner_state`` is the optimizer's own state over this rank's slices of the parameters (see
+    :mod:`raympi.core.shard`): per-parameter tensors are 1-D pieces, counters are whole.
+    """
+
+    inner_state: Any  # the optimizer's state over this rank's slices
+    rank: torch.Tensor  # 0-d int64: whose slices
+    world: torch.Tensor  # 0-d int64: over how many ranks the parameters are cut
+
+
 STATE_TYPES: tuple[type[Any], ...] = (
     EmptyState,
     ScaleByScheduleState,
@@ -126,6 +139,7 @@ STATE_TYPES: tuple[type[Any], ...] = (
     MultiTransformState,
     InjectHyperparamsState,
     ApplyIfFiniteState,
+    ShardedState,
 )
 TYPE_KEY = "__type__"  # in a plain state dict: the name of its class
 

@@ -31,9 +31,11 @@ from raympi.core.optim.base import (
     Updates,
     check_betas,
     check_nonneg,
+    cross_rank_sum,
     lr_at,
     new_count,
     scaled,
+    shard_view,
 )
 from raympi.core.optim.states import EmaState, EmptyState, ScaleByAdamState, ScaleByScheduleState, find_states
 
@@ -128,7 +130,11 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if not g:
             return grads, state
         norms = torch._foreach_norm(g)
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        if shard_view() is None:
+            total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        else:  # this rank's slices: the squares summed over the ranks
+            squares = torch.stack([n.to(norms[0].device, torch.float64) for n in norms]).square().sum()
+            total = cross_rank_sum(squares.reshape(1))[0].sqrt().to(norms[0].dtype)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return pytree.unflatten(list(torch._foreach_mul(g, coef)), spec), state
 

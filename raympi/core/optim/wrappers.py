@@ -28,7 +28,9 @@ from raympi.core.optim.base import (
     Updates,
     apply_gradients,
     clone_tree,
+    cross_rank_sum,
     new_count,
+    shard_view,
 )
 from raympi.core.optim.states import ApplyIfFiniteState, InjectHyperparamsState, find_states
 
@@ -164,12 +166,15 @@ def current_hyperparams(opt_state: Any) -> dict[str, float]:
 
 def _all_finite(grads: Any) -> bool:
     """Whether every gradient element is finite; one read back to the host."""
-    g = pytree.leaves(grads)
-    if not g:
-        return True
-    # The max-norm is NaN or inf exactly when an element is (the 2-norm could overflow instead).
-    ok = [torch.isfinite(n) for n in torch._foreach_norm(g, ord=math.inf)]
-    return bool(torch.stack([x.to(ok[0].device) for x in ok]).all())
+    g = [t for t in pytree.leaves(grads) if t.numel()]  # (a rank's slice may hold empty pieces)
+    here = torch.tensor(True)
+    if g:  # the max-norm is NaN or inf exactly when an element is (the 2-norm could overflow instead)
+        ok = [torch.isfinite(n) for n in torch._foreach_norm(g, ord=math.inf)]
+        here = torch.stack([x.to(ok[0].device) for x in ok]).all()
+    if shard_view() is None:
+        return bool(here)
+    # This rank's slices only: the ranks agree, counting those that saw a non-finite element.
+    return int(cross_rank_sum((~here).to(torch.float64).reshape(1))[0]) == 0
 
 
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int = 5) -> GradientTransformation:

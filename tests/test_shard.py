@@ -1,0 +1,353 @@
+"""shard_optimizer (ZeRO-2) in one process: N ranks as threads over an in-process ShardSync, against the
+unsharded step on the whole batch; the layout, the state's split and gather (resharding), and the refusals."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raympi.core import optim, pytree
+from raympi.core.precision import LossScaling
+from raympi.core.shard import (
+    ShardLayout,
+    apply_sharded,
+    gather_opt_state,
+    gather_params,
+    init_opt_state,
+    split_opt_state,
+)
+from raympi.core.state import TrainState
+from raympi.core.step import make_train_step
+from raympi.exceptions import ConfigError
+
+torch.set_num_threads(1)
+
+
+class ThreadGroup:
+    """``size`` ranks in one process (one thread each): the three collectives of a ShardSync, done through
+    shared slots and a barrier; a sum over the ranks adds in rank order, as a deterministic reduction would."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def member(self, rank: int) -> "Member":
+        return Member(self, rank)
+
+
+class Member:
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group, self.rank, self.size = group, rank, group.size
+        self.calls: list[str] = []
+
+    def _exchange(self, value: torch.Tensor) -> list[torch.Tensor]:
+        g = self.group
+        g.slots[self.rank] = value.clone()
+        g.barrier.wait()
+        out = list(g.slots)
+        g.barrier.wait()
+        return out
+
+    def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        self.calls.append("reduce_scatter")
+        parts = self._exchange(flat)
+        summed = parts[0].clone()
+        for p in parts[1:]:
+            summed += p
+        chunk = max(counts)
+        return summed[self.rank * chunk : self.rank * chunk + counts[self.rank]].clone()
+
+    def all_gather_(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        self.calls.append("all_gather")
+        parts = self._exchange(flat)
+        chunk = max(counts)
+        for r, part in enumerate(parts):
+            flat[r * chunk : r * chunk + counts[r]] = part[r * chunk : r * chunk + counts[r]]
+        return flat
+
+    def __call__(self, tree: Any) -> None:
+        """The unsharded ``grad_sync``: every leaf summed in place."""
+        for leaf in pytree.leaves(tree):
+            self.sum_(leaf)
+
+    def sum_(self, value: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(value)
+        value.copy_(sum(parts[1:], parts[0].clone()))
+        return value
+
+
+def run_ranks(size: int, fn: Callable[[Member], Any]) -> list[Any]:
+    """``fn(member)`` on ``size`` threads; their results in rank order (an exception in one is raised)."""
+    group = ThreadGroup(size)
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(group.member(rank))
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# --------------------------------------------------------------------------- the model and the runs
+
+
+class TwoInputs(nn.Module):
+    """Two inputs, odd sizes (73 + 5 + ... elements: the chunks cut through parameters), a norm layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(7, 9)
+        self.b = nn.Linear(3, 9)
+        self.norm = nn.LayerNorm(9)
+        self.head = nn.Linear(9, 2)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.a(x) + self.b(z))))
+
+
+def _batch(step: int, n: int = 12) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(n, 7, generator=g), torch.randn(n, 3, generator=g)), torch.randn(n, 2, generator=g)
+
+
+def _local(batch: Any, rank: int, size: int) -> Any:
+    (x, z), y = batch
+    idx = torch.tensor_split(torch.arange(len(y)), size)[rank]
+    return (x[idx], z[idx]), y[idx]
+
+
+def _decay(params: dict[str, torch.Tensor]) -> dict[str, bool]:
+    return {n: p.ndim >= 2 for n, p in params.items()}
+
+
+OPTIMIZERS: dict[str, Callable[[], Any]] = {
+    "adamw+mask": lambda: optim.adamw(0.05, weight_decay=0.1, mask=_decay),
+    "clip+sgd momentum": lambda: optim.chain(optim.clip_by_global_norm(0.05), optim.sgd(0.1, momentum=0.9)),
+    "masked+multi_transform": lambda: optim.chain(
+        optim.scale_by_adam(),
+        optim.masked(optim.add_decayed_weights(0.1), _decay),
+        optim.multi_transform(
+            {"body": optim.scale_by_learning_rate(0.02), "head": optim.set_to_zero()},
+            lambda p: {n: "head" if n.startswith("head.") else "body" for n in p},
+        ),
+    ),
+    "inject_hyperparams+ema": lambda: optim.chain(
+        optim.inject_hyperparams(optim.adam)(optim.cosine_decay(0.05, 10)), optim.ema(0.9, debias=True)
+    ),
+    "apply_if_finite": lambda: optim.apply_if_finite(optim.adam(0.05)),
+}
+
+
+def _reference(opt_fn: Callable[[], Any], steps: int, **options: Any) -> TrainState:
+    model = TwoInputs()
+    step = make_train_step(model, F.mse_loss, opt_fn(), **options)
+    state = TrainState.create(model, opt_fn(), loss_scaling=options.get("loss_scaling"))
+    for i in range(steps):
+        state, _ = step(state, _batch(i))
+    return state
+
+
+def _sharded(opt_fn: Callable[[], Any], size: int, steps: int, shard: bool = True, **options: Any) -> list[TrainState]:
+    models = [TwoInputs() for _ in range(size)]  # here: torch.manual_seed is process-wide, not per thread
+
+    def rank_run(member: Member) -> TrainState:
+        model = models[member.rank]
+        sync = member if size > 1 else None
+        step = make_train_step(model, F.mse_loss, opt_fn(), grad_sync=sync, shard_optimizer=shard, **options)
+        state = TrainState.create(model, opt_fn(), loss_scaling=options.get("loss_scaling"))
+        for i in range(steps):
+            state, metrics = step(state, _local(_batch(i), member.rank, size), len(_batch(i)[1]))
+        return state
+
+    return run_ranks(size, rank_run)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_sharded_steps_equal_unsharded(name: str, size: int) -> None:
+    ref = _reference(OPTIMIZERS[name], 4)
+    states = _sharded(OPTIMIZERS[name], size, 4)
+    for s in states:
+        assert isinstance(s.opt_state, optim.ShardedState) and int(s.opt_state.world) == size
+        assert _max_diff(s.params, ref.params) <= 1e-5
+    layout = ShardLayout.of(ref.params, size)
+    whole = gather_opt_state([s.opt_state for s in states], layout)
+    ref_leaves, ref_spec = pytree.flatten(ref.opt_state)
+    got_leaves, got_spec = pytree.flatten(whole)
+    assert got_spec == ref_spec
+    for a, b in zip(got_leaves, ref_leaves):
+        assert a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= 1e-5
+    ema = optim.ema_params(whole)
+    if ema is not None:  # the average is sharded too: gathered, it is the unsharded one
+        assert _max_diff(ema, optim.ema_params(ref.opt_state)) <= 1e-5
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize(
+    "options",
+    [dict(accumulate=2), dict(precision="bf16"), dict(precision="fp16", loss_scaling=LossScaling(init_scale=2.0**8))],
+    ids=["accumulate", "bf16", "fp16"],
+)
+def test_sharded_precision_and_accumulation(options: dict[str, Any], size: int) -> None:
+    """Against the unsharded step over the same ranks (bf16/fp16 forwards round per rank's batch)."""
+    opt = OPTIMIZERS["adamw+mask"]
+    refs = _sharded(opt, size, 3, shard=False, **options)
+    for s, ref in zip(_sharded(opt, size, 3, **options), refs):
+        assert _max_diff(s.params, ref.params) <= 1e-5
+        assert all(torch.equal(s.loss_scale[k], ref.loss_scale[k]) for k in ref.loss_scale)
+
+
+def test_fp16_overflow_skips_on_every_rank() -> None:
+    """The overflow verdict on the summed slices is summed over the ranks: every rank skips alike."""
+
+    models = [TwoInputs() for _ in range(3)]
+
+    def rank_run(member: Member) -> tuple[TrainState, dict[str, Any], TrainState]:
+        model = models[member.rank]
+        step = make_train_step(
+            model,
+            F.mse_loss,
+            optim.adam(0.01),
+            grad_sync=member,
+            shard_optimizer=True,
+            precision="fp16",
+            loss_scaling=LossScaling(init_scale=2.0**127),  # scaled gradients overflow float32: inf on every slice
+        )
+        state = TrainState.create(model, optim.adam(0.01))
+        new, metrics = step(state, _local(_batch(0), member.rank, 3), 12)
+        return state, metrics, new
+
+    for before, metrics, after in run_ranks(3, rank_run):
+        assert metrics["skipped"] == 1
+        assert _max_diff(after.params, before.params) == 0.0
+        assert after.loss_scale["scale"].item() == 2.0**126
+
+
+def test_apply_if_finite_agrees_when_one_slice_is_not_finite() -> None:
+    params = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4)}
+    opt = optim.apply_if_finite(optim.sgd(0.1), max_consecutive_errors=3)
+    layout = ShardLayout.of(params, 3)  # chunks of 4: rank 1 holds w[4:6] and b[0:2]
+
+    def rank_run(member: Member) -> tuple[dict[str, torch.Tensor], Any]:
+        state = init_opt_state(opt, params, layout, member.rank)
+        grads = {n: torch.ones(b - a) for n, (a, b) in layout.pieces(member.rank).items()}
+        if member.rank == 1:
+            grads["b"][0] = float("nan")  # only rank 1 sees it
+        new, state = apply_sharded(opt, grads, state, params, member)
+        return new, state
+
+    for new, state in run_ranks(3, rank_run):
+        assert _max_diff(new, params) == 0.0  # skipped everywhere
+        assert int(state.inner_state.notfinite_count) == 1
+
+
+def test_masks_see_whole_shapes_never_slices() -> None:
+    seen: list[tuple[int, ...]] = []
+
+    def mask(params: dict[str, torch.Tensor]) -> dict[str, bool]:
+        seen.extend(tuple(p.shape) for p in params.values())
+        return {n: p.ndim >= 2 for n, p in params.items()}
+
+    opt = lambda: optim.adamw(0.05, weight_decay=0.5, mask=mask)  # noqa: E731
+    ref = _reference(opt, 2)
+    shapes = {tuple(p.shape) for p in ref.params.values()}
+    seen.clear()
+    for s in _sharded(opt, 3, 2):
+        assert _max_diff(s.params, ref.params) <= 1e-5
+    assert seen and set(seen) <= shapes
+
+
+# --------------------------------------------------------------------------- layout, split, gather
+
+
+def test_layout_cuts_evenly_and_covers_everything() -> None:
+    params = {"a": torch.zeros(5, 2), "b": torch.zeros(3), "c": torch.zeros(())}
+    for world in (1, 2, 3, 4, 7, 20):
+        layout = ShardLayout.of(params, world)
+        assert sum(layout.counts()) == 14 and max(layout.counts()) == math.ceil(14 / world)
+        covered = {n: 0 for n in params}
+        for r in range(world):
+            for n, (a, b) in layout.pieces(r).items():
+                covered[n] += b - a
+        assert covered == {"a": 10, "b": 3, "c": 1}
+
+
+@pytest.mark.parametrize("n, m", [(3, 2), (2, 3), (1, 4), (4, 1)])
+def test_reshard_n_to_m_is_exact(n: int, m: int) -> None:
+    params = {"w": torch.randn(5, 3), "b": torch.randn(5), "s": torch.randn(())}
+    opt = optim.chain(optim.adamw(0.1, mask=_decay), optim.ema(0.5))
+    state = opt.init(params)
+    g = {k: torch.randn_like(v) for k, v in params.items()}
+    params2, state = optim.apply_gradients(opt, g, state, params)
+    parts = [split_opt_state(state, ShardLayout.of(params2, n), r) for r in range(n)]
+    whole = gather_opt_state(parts, ShardLayout.of(params2, n))
+    again = gather_opt_state(
+        [split_opt_state(whole, ShardLayout.of(params2, m), r) for r in range(m)], ShardLayout.of(params2, m)
+    )
+    for a, b in zip(pytree.leaves(again), pytree.leaves(state)):
+        assert torch.equal(a, b)
+    # and a ShardedState round-trips through a checkpoint's plain form
+    plain = optim.from_plain(optim.to_plain(parts[0]))
+    assert isinstance(plain, optim.ShardedState) and int(plain.world) == n
+
+
+def test_gather_params_one_rank_is_the_whole() -> None:
+    params = {"w": torch.randn(4, 3), "b": torch.randn(2)}
+    layout = ShardLayout.of(params, 1)
+    out = gather_params({n: p.reshape(-1) for n, p in params.items()}, layout, None)
+    assert all(torch.equal(out[n], params[n]) for n in params)
+
+
+def test_wrong_world_is_refused() -> None:
+    params = {"w": torch.randn(4, 3)}
+    state = init_opt_state(optim.adam(0.1), params, ShardLayout.of(params, 2), 0)
+    with pytest.raises(Exception, match="gather it first"):
+        apply_sharded(optim.adam(0.1), {"w": torch.zeros(12)}, state, params, None)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_refusals_name_the_reason() -> None:
+    model = TwoInputs()
+    with pytest.raises(ConfigError, match="from_torch"):
+        init_opt_state(
+            optim.from_torch(torch.optim.RMSprop, lr=0.1),
+            dict(model.named_parameters()),
+            ShardLayout.of(dict(model.named_parameters()), 2),
+            0,
+        )
+    with pytest.raises(ConfigError, match="overlap"):
+        make_train_step(
+            model, F.mse_loss, optim.sgd(0.1), grad_sync=ThreadGroup(2).member(0), overlap=True, shard_optimizer=True
+        )
+    with pytest.raises(ConfigError, match="reduce_scatter"):
+        make_train_step(model, F.mse_loss, optim.sgd(0.1), grad_sync=lambda tree: None, shard_optimizer=True)
+    mixed = TwoInputs()
+    mixed.head.to(torch.float64)
+    with pytest.raises(ConfigError, match="one dtype"):
+        make_train_step(mixed, F.mse_loss, optim.sgd(0.1), shard_optimizer=True)
