@@ -187,6 +187,57 @@ class Communicator:
             keep_alive(request, buffer)
             raise
 
+    # ---------------------------------------------------------------- sharded optimizer state (raympi.core.shard)
+
+    def reduce_scatter(self, flat: Any, counts: Any) -> Any:
+        """Sum the flat tensor ``flat`` over all ranks and return this rank's chunk of the sums.
+
+        Rank ``r``'s chunk is ``counts[r]`` elements at offset ``r * max(counts)`` (``flat`` may be padded
+        past ``sum(counts)``).  One ``MPI_Ireduce_scatter`` with ``MPI_IN_PLACE`` over a host copy
+        (16-bit floats summed in float32), polled as :meth:`wait` does.  ``compression`` does not apply.
+
+        Returns:
+            A new tensor of ``counts[rank]`` elements, of ``flat``'s dtype and device.
+        """
+        import torch
+        from raympi.comm import tensors as _tensors
+
+        chunk, total = max(counts), sum(counts)
+        wire = _tensors.REDUCE_AS.get(flat.dtype, flat.dtype)
+        host = flat[:total].to("cpu", wire, copy=True)  # MPI writes into it: never the caller's memory
+        # Rank r's chunk starts at r * chunk: with the exact counts it sits at sum(counts[:r]) only while
+        # every earlier chunk is full, which the layout guarantees (only the last chunks are short).
+        assert all(c == chunk for c in counts[: self.rank]), "only the last chunks may be shorter"
+        array = host.numpy()
+        self.wait(self.mpi.Ireduce_scatter(self.MPI.IN_PLACE, array, list(counts), op=self.MPI.SUM), array)
+        return torch.from_numpy(array[: counts[self.rank]]).to(flat.device, flat.dtype, copy=True)
+
+    def all_gather_(self, flat: Any, counts: Any) -> Any:
+        """Fill ``flat`` in place with every rank's chunk (rank ``r``'s ``counts[r]`` elements at ``r * max(counts)``,
+        taken from that rank's ``flat``): one ``MPI_Iallgatherv`` with ``MPI_IN_PLACE``, polled.
+
+        Returns:
+            ``flat``.
+        """
+        import torch
+        from mpi4py.util import dtlib
+
+        chunk = max(counts)
+        host = flat if flat.device.type == "cpu" else flat.cpu()
+        sixteen = host.dtype in (torch.bfloat16, torch.float16)  # nothing is summed: the bits travel as int16
+        array = (host.view(torch.int16) if sixteen else host).numpy()
+        displs = [r * chunk for r in range(self.size)]
+        spec = [array, (list(counts), displs), dtlib.from_numpy_dtype(array.dtype)]
+        self.wait(self.mpi.Iallgatherv(self.MPI.IN_PLACE, spec), array)
+        if host is not flat:
+            flat.copy_(host)
+        return flat
+
+    def sum_(self, value: Any) -> Any:
+        """Sum a (small) tensor over all ranks in place and return it."""
+        self.allreduce_([value])
+        return value
+
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """Send ``tree`` (any tree of tensors and picklable leaves) from ``root`` to every rank.
 

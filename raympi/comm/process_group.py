@@ -27,7 +27,7 @@ import dataclasses
 import datetime
 import threading
 import time
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import distributed as dist
@@ -127,6 +127,13 @@ def _backend(backend: str, store: Any, rank: int, size: int, address: str, timeo
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
+def _completion(work: Any) -> threading.Event:
+    """Set when a gloo operation is done (by its future's callback): what a wait polls."""
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    return done
+
+
 @dataclasses.dataclass
 class _Work:
     bucket: torch.Tensor  # the caller's flat buffer
@@ -145,6 +152,7 @@ class ProcessGroupSum:
 
     def __init__(self, comm: Communicator, pg: Any, backend: str, store: Any, fp32_reduce: bool = False) -> None:
         self.comm, self.pg, self.backend, self.store = comm, pg, backend, store
+        self.rank, self.size = comm.rank, comm.size  # (a ShardSync)
         self.bucket_bytes: int = comm.bucket_bytes
         self.fp32_reduce = fp32_reduce
         self._pending: list[_Work] = []
@@ -175,6 +183,57 @@ class ProcessGroupSum:
         for start in range(0, flat.numel(), step):
             self.start(flat[start : start + step])
 
+    def reduce_scatter(self, flat: torch.Tensor, counts: Any) -> torch.Tensor:
+        """Sum ``flat`` (padded to ``max(counts) * size`` elements) over the ranks; return this rank's
+        ``counts[rank]`` elements (a :class:`~raympi.core.shard.ShardSync`).
+
+        NCCL runs ``reduce_scatter_tensor``; gloo has no working one for CPU tensors here (its work has no
+        future, and did not complete): it sums the whole buffer, as its own reduce-scatter would."""
+        chunk, rank = max(counts), self.comm.rank
+        if self.backend != "nccl":
+            summed = flat.clone()
+            self._start_sliced(summed)
+            self.finish()
+            return summed[rank * chunk : rank * chunk + counts[rank]].clone()
+        wire = flat.float() if self.fp32_reduce and flat.dtype in _SIXTEEN else flat
+        out = torch.empty(chunk, dtype=wire.dtype, device=wire.device)
+        self._collective(lambda: self.pg._reduce_scatter_base(out, wire), out)
+        return out[: counts[rank]].to(flat.dtype, copy=True)
+
+    def all_gather_(self, flat: torch.Tensor, counts: Any) -> torch.Tensor:
+        """Fill ``flat`` (padded as above) in place with every rank's chunk, each taken from its own rank
+        (gloo: a sum of buffers that are zero outside each rank's own chunk)."""
+        chunk, rank = max(counts), self.comm.rank
+        if self.backend != "nccl":
+            flat[: rank * chunk].zero_()
+            flat[(rank + 1) * chunk :].zero_()
+            self._start_sliced(flat)
+            self.finish()
+            return flat
+        mine = flat[rank * chunk : (rank + 1) * chunk].clone()
+        self._collective(lambda: self.pg._allgather_base(flat, mine), flat, mine)
+        return flat
+
+    def sum_(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor over the ranks in place and return it."""
+        self({"value": value})
+        return value
+
+    def _collective(self, launch: Callable[[], Any], buffer: torch.Tensor, *keep: torch.Tensor) -> None:
+        """Run one collective whose result lands in ``buffer``, waited on as :meth:`finish` waits for buckets."""
+        if self.comm.abort.is_set():
+            raise CollectiveAborted(f"rank {self.comm.rank}: collective abandoned on request (a peer failed)")
+        try:
+            work = launch()
+        except Exception as exc:
+            raise CollectiveAborted(f"rank {self.comm.rank}: {self.backend} collective failed: {exc}") from None
+        self._pending.append(_Work(buffer, buffer, work, _completion(work) if self.backend != "nccl" else None))
+        try:
+            self.finish()
+        except BaseException:
+            keep_alive(*keep)
+            raise
+
     def start(self, bucket: torch.Tensor) -> None:
         """Start summing ``bucket`` (flat, contiguous) over the ranks; returns at once."""
         if self.comm.abort.is_set():
@@ -184,11 +243,7 @@ class ProcessGroupSum:
             work = self.pg.allreduce([wire])
         except Exception as exc:
             raise CollectiveAborted(f"rank {self.comm.rank}: {self.backend} allreduce failed: {exc}") from None
-        done = None
-        if self.backend != "nccl":
-            done = threading.Event()
-            work.get_future().add_done_callback(lambda _: done.set())
-        self._pending.append(_Work(bucket, wire, work, done))
+        self._pending.append(_Work(bucket, wire, work, _completion(work) if self.backend != "nccl" else None))
 
     def finish(self) -> None:
         """Wait for every bucket started since the last ``finish``, each written back as soon as it is summed.

@@ -32,6 +32,7 @@ import torch
 from raympi.core import pytree
 from raympi.core.optim import GradientTransformation, ShardView, apply_gradients, sharded
 from raympi.core.optim.states import ShardedState
+from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError, TrainingError
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "reduce_gradients",
     "apply_sharded",
     "gather_params",
+    "shard_state",
+    "join_states",
 ]
 
 
@@ -187,6 +190,40 @@ def gather_opt_state(parts: Sequence[ShardedState], layout: ShardLayout) -> Any:
             leaf = torch.cat([f[i].to(first[i].device) for f in flat]).reshape(shapes[name])
         out.append(leaf)
     return pytree.unflatten(out, spec)
+
+
+def shard_state(
+    state: TrainState, rank: int, world: int, optimizer: Optional[GradientTransformation] = None
+) -> TrainState:
+    """Rank ``rank``'s sharded copy of ``state``: its optimizer state cut into this rank's pieces.
+
+    ``optimizer`` (with a fresh state, step 0) initialises the pieces directly instead, so that no rank
+    ever holds the whole optimizer state.  A state already sharded over ``world`` for ``rank`` is returned as is.
+
+    Raises:
+        TrainingError: ``state`` is sharded over another world size (join the ranks' states first).
+    """
+    layout = ShardLayout.of(state.params, world)
+    current = state.opt_state
+    if isinstance(current, ShardedState):
+        if (int(current.rank), int(current.world)) == (rank, world):
+            return state
+        raise TrainingError(
+            f"this state holds rank {int(current.rank)}'s slice of {int(current.world)}: join every rank's "
+            "state first (raympi.core.shard.join_states) and shard the whole"
+        )
+    sharded_state = (
+        init_opt_state(optimizer, state.params, layout, rank)
+        if optimizer is not None
+        else split_opt_state(current, layout, rank)
+    )
+    return state.replace(opt_state=sharded_state)
+
+
+def join_states(parts: Sequence[TrainState]) -> TrainState:
+    """The whole state from every rank's sharded state, in rank order (rank 0's parameters and buffers)."""
+    layout = ShardLayout.of(parts[0].params, len(parts))
+    return parts[0].replace(opt_state=gather_opt_state([p.opt_state for p in parts], layout))
 
 
 def _flat(tensors: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:

@@ -31,8 +31,12 @@ import threading
 import warnings
 from typing import Any
 
+import ray
 import torch
 
+from raympi.core import pytree
+from raympi.core.shard import join_states
+from raympi.core.state import TrainState
 from raympi.driver.checkpoint_direct import DirectRequest, await_write, not_shared
 from raympi.driver.checkpoint_folders import _IN_FLIGHT, AtomicFolders, _remove
 from raympi.exceptions import ConfigError, WorkerLostError
@@ -286,6 +290,16 @@ def _background_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: per thread
     except (AttributeError, OSError):
         pass
+
+
+@ray.remote(num_cpus=0)
+def join_shards(*parts: Any) -> Any:
+    """``shard_optimizer``: the whole state, as a checkpoint holds it, from every rank's ``state_dict`` (rank order).
+
+    A task beside the workers (no CPU of theirs), so the driver and the checkpoint writer see one state, as
+    from rank 0 unsharded."""
+    states = [TrainState.from_dict(pytree.from_arrays(p)) for p in parts]
+    return pytree.to_arrays(join_states(states).to_dict())
 
 
 def load_checkpoint(path: str) -> Any:

@@ -153,6 +153,12 @@ class FitConfig(BaseModel):
         description="sum gradient buckets over the ranks while backward still runs, as DDP does; default: "
         "on with GPUs, off on CPUs, where it did not pay (benchmarks/README.md); not with compression",
     )
+    shard_optimizer: bool = Field(
+        False,
+        description="keep each rank's slice of the optimizer state and of the summed gradients only (ZeRO-2): "
+        "a reduce-scatter, the optimizer on the slice, an all-gather of the parameters; optimizer memory 1/N per "
+        "rank. A failure restarts from the newest checkpoint (no warm restart yet); not with compression or overlap",
+    )
     grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = Field(
         "auto",
         description="how gradients are summed: 'mpi' (the communicator; GPU gradients staged through host memory), "
@@ -212,6 +218,13 @@ class FitConfig(BaseModel):
             raise ValueError(
                 f"overlap=True does not combine with compression={self.compression!r}: "
                 "set overlap=False or compression=None"
+            )
+        if self.shard_optimizer and (self.compression or self.overlap):
+            raise ValueError(
+                f"shard_optimizer=True does not combine with "
+                f"{'compression=' + repr(self.compression) if self.compression else 'overlap=True'} yet (the "
+                "gradients are reduce-scattered in float32, after backward): set "
+                f"{'compression=None' if self.compression else 'overlap=False'} or shard_optimizer=False"
             )
         if self.compression and self.grad_transport in ("nccl", "gloo"):
             raise ValueError(

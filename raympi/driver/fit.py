@@ -20,11 +20,12 @@ from raympi.comm import library
 from raympi.core import optim, pytree
 from raympi.core.loss import default_loss
 from raympi.core.precision import LossScaling, cpu_has_native_bf16
+from raympi.core.shard import ShardLayout, init_opt_state
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 from raympi.driver import data, local_ray, report, tune
 from raympi.driver.capacity import worker_bundle
-from raympi.driver.checkpoint import CheckpointStore
+from raympi.driver.checkpoint import CheckpointStore, join_shards
 from raympi.driver.config import FitConfig, parse_config
 from raympi.driver.controller import Controller
 from raympi.driver.pipeline import ChunkPlan, Pipeline
@@ -92,6 +93,10 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
     if reason:
         raise MPIUnavailableError(reason)
     optimizer = cfg.optimizer or optim.adam(1e-3)
+    if cfg.shard_optimizer:  # what the workers would refuse, refused here (on the meta device: no memory)
+        make_train_step(model, cfg.loss_fn or default_loss, optimizer, shard_optimizer=True)
+        trainable = {n: torch.empty_like(p, device="meta") for n, p in model.named_parameters() if p.requires_grad}
+        init_opt_state(optimizer, trainable, ShardLayout.of(trainable, cfg.workers), 0)
     loss_fn = cfg.loss_fn or default_loss
     stop_ray: Callable[[], None] | None = None  # set where this fit starts Ray itself
     ray_dataset, train = None, None
@@ -168,13 +173,18 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             "optimizer_state": _optimizer_layout(optimizer, model),
         }
         run = _resumed(store, fingerprint) if cfg.resume else RunState()
-        run = dataclasses.replace(run, warm_possible=ray_dataset is None)
+        # Survivors cannot carry a sharded optimizer state on: a lost rank's slice is lost with it.
+        run = dataclasses.replace(run, warm_possible=ray_dataset is None and not cfg.shard_optimizer)
         pipeline = Pipeline(
             plan,
             sampler,
             cfg,
             eval_data.length if eval_data else 0,
-            snapshot=lambda group, step: store.request(group.actors[0], step),
+            snapshot=(
+                (lambda group, step: join_shards.remote(*[a.state_dict.remote() for a in group.actors]))
+                if cfg.shard_optimizer
+                else (lambda group, step: store.request(group.actors[0], step))
+            ),
         )
         final = Controller(cfg, spec, pipeline, store, run, ray_dataset, announce, fingerprint).fit()
         # The driver's copy may be read-only object-store memory: hand the user tensors of their own.
@@ -204,12 +214,15 @@ def _step_options(cfg: FitConfig) -> dict[str, Any]:
         "precision": cfg.precision,
         "accumulate": cfg.accumulate,
         "metrics": dict(cfg.metrics),
+        "shard_optimizer": cfg.shard_optimizer,
     }
 
 
 def _overlaps(cfg: FitConfig, use_gpu: bool) -> bool:
     """``overlap`` as set; by default on with GPUs (the host idles while they compute), off on CPUs (it did not pay)."""
-    return cfg.overlap if cfg.overlap is not None else bool(use_gpu) and cfg.compression is None
+    if cfg.overlap is not None:
+        return cfg.overlap
+    return bool(use_gpu) and cfg.compression is None and not cfg.shard_optimizer
 
 
 def grad_transport(cfg: FitConfig, use_gpu: bool) -> str:

@@ -41,8 +41,14 @@ CPU_MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
     "MALLOC_ARENA_MAX": "1",
 }
+# NCCL errors as raympi's abort expects them (read by torch's ProcessGroupNCCL as it is built): after a peer's death
+# or ProcessGroupSum.abort, NCCL's watchdog aborts the communicators and leaves the process alive (2, "CleanUpOnly";
+# torch's default 3 ends the process), so the step's wait ends in an error or the abort flag, which raympi raises as
+# CollectiveAborted; and no heartbeat monitor that ends the process when the watchdog is stuck in an abort: a
+# survivor stays for the re-formed group, and raympi's own deadlines end a rank that hangs.  MPIConfig.env overrides.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
 
-__all__ = ["LOST", "WorkerGroup"]
+__all__ = ["LOST", "NCCL_ENV", "WorkerGroup"]
 
 log = logging.getLogger("raympi")
 
@@ -128,7 +134,7 @@ class WorkerGroup:
                 self.bundles = self._place(deadline.sooner(place_timeout_s or cfg.startup_timeout_s))
             node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
             self.nodes = [node_of_bundle[i] for i in self.bundles]
-            env = {**cfg.mpi.environment(multi_host=spans_hosts(self.bundle, self.nodes))}
+            env = {**NCCL_ENV, **cfg.mpi.environment(multi_host=spans_hosts(self.bundle, self.nodes))}
             env["OMP_NUM_THREADS"] = str(spec.torch_threads)
             if spec.device == "cpu":
                 env = {**CPU_MALLOC_ENV, **env}

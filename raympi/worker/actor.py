@@ -27,6 +27,7 @@ from raympi.comm import process_group
 from raympi.comm.buckets import BucketAllreduce
 from raympi.core import optim, pytree
 from raympi.core.precision import LossScaling
+from raympi.core.shard import ShardLayout, gather_params, shard_state
 from raympi.core.state import TrainState
 from raympi.core.batch import correct_predictions
 from raympi.core.step import make_eval_step, make_train_step
@@ -108,6 +109,7 @@ class Worker(comm.Member):
         self.loss_fn = spec.loss_fn
         self.optimizer = spec.optimizer
         self.step_options = spec.step_options
+        self.sharded = bool(spec.step_options.get("shard_optimizer"))  # this rank keeps its slice of the optimizer
         self.transport = (spec.grad_transport, spec.fp32_reduce, spec.transport_timeout_s)
         self.grad_sync: Any = None  # the step's cross-rank sum, rebuilt for every new communicator
         self.progress = 0  # steps and evaluation batches done: what ping reports, so slow is told from hung
@@ -163,8 +165,10 @@ class Worker(comm.Member):
         scaling = (
             LossScaling() if self.step_options.get("precision") == "fp16" else None
         )  # fp16: the scaler lives in the state
+        # Sharded: a stateless placeholder here, then only this rank's slice is initialised (_own).
+        placeholder = optim.set_to_zero() if self.sharded else self.optimizer
         state_tree = (
-            TrainState.create(self.model, self.optimizer, seed=seed, loss_scaling=scaling)
+            TrainState.create(self.model, placeholder, seed=seed, loss_scaling=scaling)
             if state is None
             else TrainState.from_dict(
                 state.load()
@@ -172,6 +176,10 @@ class Worker(comm.Member):
                 else pytree.from_arrays(state)
             )
         )  # a checkpoint, or a survivor's snapshot
+        if self.sharded:
+            state_tree = shard_state(
+                state_tree, self.comm.rank, self.comm.size, self.optimizer if state is None else None
+            )
         self._own(state_tree)
         return os.getpid()
 
@@ -214,6 +222,8 @@ class Worker(comm.Member):
         if self.comm.size == 1:
             return None
         if transport == "mpi":
+            if self.sharded:  # the communicator's reduce_scatter, all_gather_ and sum_
+                return self.comm
             return BucketAllreduce(self.comm) if overlap else self.comm.allreduce_
         return process_group.connect(
             self.comm, transport, ray.util.get_node_ip_address(), timeout_s, fp32_reduce=fp32_reduce
@@ -262,6 +272,12 @@ class Worker(comm.Member):
         rank 0 returns the global means.  A collective abandoned (a peer failed) returns
         ``{"aborted": True}``: an infrastructure failure, as in :meth:`run`, never the user's error."""
         ema = optim.ema_params(self.state.opt_state) if with_ema else None
+        if ema is not None and self.sharded:  # this rank's pieces of the average: gathered into whole tensors
+            layout = ShardLayout.of(self.state.params, self.comm.size)
+            try:
+                ema = gather_params(ema, layout, self.grad_sync)
+            except (CollectiveAborted, library.require().Exception):
+                return {"aborted": True}
         state = self.state if ema is None else self.state.replace(params=ema)
         totals: dict[str, float] = {}
         for chunk in torch.split(index, EVAL_BATCH):
