@@ -356,6 +356,33 @@ def test_cpu_workers_run_with_one_malloc_arena(ray_session, tmp_path):
     assert [r["arena_max"] for r in result.metrics] == [1.0] * len(result.metrics) and result.metrics, result.metrics
 
 
+def test_workers_take_nccl_error_handling_from_the_group(ray_session, tmp_path):
+    """Every worker starts with raympi's NCCL error handling in its environment (raympi.driver.group.NCCL_ENV:
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2, the watchdog aborts the communicators and leaves the process to raympi's
+    abort; no heartbeat monitor that kills it), read here by metrics evaluated on each worker of a fit over the
+    gloo process group (the NCCL path's code on CPU; torch's ProcessGroupNCCL reads the variables as it is built)."""
+    from raympi.driver.group import NCCL_ENV
+
+    x, y = torch.randn(64, 3), torch.randn(64, 1)
+    read = {f"env {k}": (lambda k: lambda out, t: torch.tensor(float(os.environ.get(k, "-1"))))(k) for k in NCCL_ENV}
+    result = raympi.fit(
+        nn.Linear(3, 1),
+        (x, y),
+        workers=2,
+        epochs=1,
+        batch_size=32,
+        loss_fn=nn.functional.mse_loss,
+        grad_transport="gloo",
+        metrics=read,
+        checkpoint_dir=str(tmp_path / "ck"),
+        progress=False,
+    )
+    assert NCCL_ENV == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    assert result.metrics, result.metrics
+    for row in result.metrics:
+        assert {k: row[f"env {k}"] for k in NCCL_ENV} == {k: float(v) for k, v in NCCL_ENV.items()}, row
+
+
 def test_the_suites_ray_workers_run_at_its_own_priority(ray_session):
     """Ray lowers its workers to nice 15; tests/conftest.py sets RAY_worker_niceness=0, without which a loaded
     machine starves every worker (and the suite's deadlines run out).  A Ray that stops reading it fails here."""
