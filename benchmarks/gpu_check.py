@@ -1,9 +1,14 @@
-"""raympi on a GPU machine, checked and timed in one run (well under 8 minutes, Ray's start included).
+"""raympi on a GPU machine, checked and timed in one run (under 4 minutes, Ray's start included).
 
-Meant for one run on a 1 x H200 (16 cores) machine; ``--cpu`` (automatic without CUDA) runs the very
-same code paths on CPU workers with tiny sizes, so the script is known not to crash before it gets
-its one GPU run.  Every stage runs under its own time limit (SIGALRM) and try/except: a failure or a
-timeout is reported and the next stage runs.  Stages:
+Meant for one run on a 1 x H100/H200 (16 cores) machine, through ``benchmarks/gpu_run.sh`` (one device call of
+at most 5 minutes with the setup); ``--cpu`` (automatic without CUDA) runs the very same code paths on CPU
+workers with tiny sizes, so the script is known not to crash before it gets its one GPU run.
+
+Every stage runs in a child process of its own (``gpu_check.py --stage NAME``, attached to this process's Ray
+as a driver of its own), killed with its process group at the stage's limit: a stage that overruns is stopped
+there whatever it is blocked in (a ``fit()``, a ``ray.get``, a CUDA call), Ray ends its actors and placement
+groups with its job, and the next stage runs.  Every blocking Ray call in a stage has its own timeout too.  A
+stage writes its rows as it goes, so a stopped one still reports what it finished.  Stages, in order:
 
   env       torch, CUDA, GPU and MPI versions, the gradient transports (as ``raympi doctor`` lists them).
   parity    (c) a small MLP (fp32, SGD with momentum, 8 steps) through ``raympi.fit``: one GPU worker
@@ -18,20 +23,24 @@ timeout is reported and the next stage runs.  Stages:
             parameters (bf16 summed in bf16, and with ``fp32_reduce``), against no sync: parameters
             equal bit for bit, ms/step of each.  (``--cpu``: the same on gloo.)
   resnet    (a) ResNet-18 (torchvision, 10 classes) on synthetic 3x64x64 images (32x32 with --cpu),
-            bf16, SGD: ``raympi.fit`` with one worker per GPU, two workers sharing GPU 0 over mpi
+            bf16, SGD, 100 steps: ``raympi.fit`` with one worker per GPU, two workers sharing GPU 0 over mpi
             and over gloo (overlap on), and a plain single-GPU torch loop on the same batches
             (autocast bf16, pinned host batches copied to the device as the worker does).  ms/step of
             fit = global batch / its samples_per_s (median over chunks after the first);
             overhead = fit / plain (target <= 1.05).
-  sync      (d) one gradient sync of 100 MB and 2 GB of float32 gradients (1 and 8 MB with --cpu),
+  sync      (d) one gradient sync of 100 MB and 1 GB of float32 gradients (1 and 8 MB with --cpu),
             as 25 MB tensors, on each transport: mpi and gloo between 2 ranks sharing GPU 0 (the
             tree path and the bucket path), NCCL at world size 1 (one GPU: the most NCCL can do here).
 
 Prints one table per stage and writes everything as JSON to $OUT/gpu_check.json when OUT is set,
-else to benchmarks/out/gpu_check.json (gpu_check_cpu.json with --cpu).
+else to benchmarks/out/gpu_check.json (gpu_check_cpu.json with --cpu), after every stage.
 
-    python benchmarks/gpu_check.py            # on the GPU machine
+    python benchmarks/gpu_check.py            # on the GPU machine (bash benchmarks/gpu_run.sh sets it up)
     python benchmarks/gpu_check.py --cpu      # here: the same paths on CPU, tiny sizes
+    python benchmarks/gpu_check.py --cpu --stages parity,env --limit parity=3   # parity stopped at 3 s, env runs
+
+NCCL at world size 1 only: NCCL refuses two ranks on one GPU, and the lent machine has one.  The workers (and
+this script's own ranks) run with raympi's NCCL error handling (``raympi.driver.group.NCCL_ENV``).
 
 Two workers on one GPU: ``fit(use_gpu=True, resources_per_worker={"CPU": 1, "GPU": 0.5})``.  A
 ``raympi.driver.capacity.worker_bundle`` that still raises a worker's GPU share to 1 (before it
@@ -46,6 +55,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,35 +74,43 @@ import raympi  # noqa: E402
 from raympi import comm  # noqa: E402
 from raympi.comm.buckets import BucketAllreduce  # noqa: E402
 from raympi.driver.config import MPIConfig  # noqa: E402
+from raympi.driver.group import NCCL_ENV  # noqa: E402
 
-from _common import OMP1, start_local_ray  # noqa: E402
+from _common import OMP1, pickle_by_value, start_local_ray  # noqa: E402
 
-BUDGET_S = 420  # the whole run, Ray's start included; a stage that cannot get 30 s of it is skipped
-LIMITS_S = {"parity": 120, "nccl1": 40, "resnet": 150, "sync": 120}
+# The whole run, Ray's start included, and each stage's limit (its child process is killed there).  On the GPU
+# machine gpu_run.sh's setup takes ~20-40 s of the device call's 5 minutes: 225 s here leaves room for it and
+# for the machine's start.  --cpu (tests, 2 cores beside other jobs) has room to spare: it proves the paths.
+BUDGET_S = {"gpu": 225, "cpu": 600}
+LIMITS_S = {
+    "gpu": {"env": 20, "parity": 55, "nccl1": 30, "resnet": 60, "sync": 50},
+    "cpu": {"env": 60, "parity": 150, "nccl1": 90, "resnet": 150, "sync": 120},
+}
+MIN_STAGE_S = 10  # a stage that cannot get this much of the budget is skipped
+KILL_GRACE_S = 3  # SIGTERM, then SIGKILL this much later
 
 
-class StageTimeout(BaseException):
-    """A stage ran past its limit (a BaseException, so that no ``except Exception`` inside swallows it)."""
+class _Stage:
+    """What a stage's child knows of its run: the mode, its deadline, and where its rows go as they come."""
+
+    def __init__(self, gpu: bool, limit_s: float, result: Path | None) -> None:
+        self.gpu, self.result = gpu, result
+        self.deadline = time.monotonic() + limit_s
+
+    def left(self, margin: float = 2.0) -> float:
+        """Seconds left before the stage's limit, less ``margin`` (at least 1): a blocking call's timeout."""
+        return max(1.0, self.deadline - time.monotonic() - margin)
+
+    def partial(self, result: dict[str, Any]) -> None:
+        """Record what the stage has so far: the parent reports it if the stage is stopped at its limit."""
+        if self.result is not None:
+            _write_json(self.result, {"status": "running", "partial": result})
 
 
-@contextlib.contextmanager
-def _limit(seconds: float):
-    """Raise :class:`StageTimeout` after ``seconds``; nests (an outer limit still holds after an inner one)."""
-
-    def alarm(*_: Any) -> None:
-        raise StageTimeout(f"over its {seconds:.0f} s limit")
-
-    outer = signal.alarm(0)  # seconds left of an enclosing limit (0: none)
-    previous = signal.signal(signal.SIGALRM, alarm)
-    began = time.monotonic()
-    signal.alarm(max(1, int(min(seconds, outer) if outer else seconds)))
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer:
-            signal.alarm(max(1, int(outer - (time.monotonic() - began))))
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -128,7 +146,7 @@ def _shared_gpu():
 # --------------------------------------------------------------------------- stages
 
 
-def stage_env(cfg: argparse.Namespace) -> dict[str, Any]:
+def stage_env(cfg: _Stage) -> dict[str, Any]:
     from raympi.comm import library
 
     out = {
@@ -138,6 +156,10 @@ def stage_env(cfg: argparse.Namespace) -> dict[str, Any]:
         "mpi": library.library_version(),
         "cpus": os.cpu_count(),
         "mode": "gpu" if cfg.gpu else "cpu",
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "ray": ray.__version__,
+        "workers' NCCL environment": NCCL_ENV,
     }
     from raympi.__main__ import transports
 
@@ -163,11 +185,12 @@ def _fit(model: nn.Module, data: Any, gpu: bool, workers: int, share: bool, **op
             startup_timeout_s=60,
             step_timeout_s=60,
             spares=0,
+            keep_workers=True,  # the next fit of the same shape takes these processes (most of parity's fits)
             **options,
         )
 
 
-def stage_parity(cfg: argparse.Namespace) -> dict[str, Any]:
+def stage_parity(cfg: _Stage) -> dict[str, Any]:
     """(c) one GPU worker, and two workers sharing GPU 0 over MPI and over gloo, overlap off and on, against CPU
     workers."""
     g = torch.Generator().manual_seed(0)
@@ -179,7 +202,7 @@ def stage_parity(cfg: argparse.Namespace) -> dict[str, Any]:
 
     opts = dict(batch_size=24, epochs=2, max_steps=8, optimizer=raympi.optim.sgd(0.05, momentum=0.9), torch_threads=1)
     refs = {w: _fit(mlp(), data, False, w, False, overlap=False, grad_transport="mpi", **opts) for w in (1, 2)}
-    rows = []
+    rows: list[dict[str, Any]] = []
     cases = [("1 worker (auto: no sync in a world of one)", 1, False, None, "auto")]
     cases += [
         (f"2 workers, one GPU, {t}, overlap {'on' if o else 'off'}", 2, True, o, t)
@@ -206,6 +229,7 @@ def stage_parity(cfg: argparse.Namespace) -> dict[str, Any]:
                 "match": ok,
             }
         )
+        cfg.partial({"rows": rows})
     return {"rows": rows, "tolerance": "rtol 1e-4, atol 1e-5", "all_match": all(r["match"] for r in rows)}
 
 
@@ -322,37 +346,43 @@ class Rank(comm.Member):
 
 
 def _ranks(n: int, gpu_share: float) -> list[Any]:
-    env = MPIConfig().environment(multi_host=False)
+    """``n`` ranks, each with fit's one-host MPI environment and raympi's NCCL error handling (as fit's workers)."""
+    env = {**NCCL_ENV, **MPIConfig().environment(multi_host=False)}
     return [Rank.options(num_cpus=1, num_gpus=gpu_share, runtime_env={"env_vars": env}).remote() for _ in range(n)]
 
 
-def stage_nccl1(cfg: argparse.Namespace) -> dict[str, Any]:
+def stage_nccl1(cfg: _Stage) -> dict[str, Any]:
     ranks = _ranks(1, 1 if cfg.gpu else 0)
     try:
-        comm.form(ranks, timeout_s=60)
-        return ray.get(ranks[0].nccl_world_of_one.remote(cfg.gpu), timeout=LIMITS_S["nccl1"] - 10)
+        comm.form(ranks, timeout_s=min(60, cfg.left()))
+        return ray.get(ranks[0].nccl_world_of_one.remote(cfg.gpu), timeout=cfg.left())
     finally:
         ray.kill(ranks[0])
 
 
-def stage_sync(cfg: argparse.Namespace) -> dict[str, Any]:
-    """(d) one gradient sync of 100 MB and 2 GB: mpi and gloo between 2 ranks sharing GPU 0; nccl at world 1."""
-    sizes, reps = ([100 * 10**6, 2 * 10**9], 3) if cfg.gpu else ([10**6, 8 * 10**6], 2)
-    rows = []
-    for transport, world in (("mpi", 2), ("gloo", 2), ("nccl", 1)):
-        if transport == "nccl" and not cfg.gpu:
-            continue
+def stage_sync(cfg: _Stage) -> dict[str, Any]:
+    """(d) one gradient sync of 100 MB and 1 GB: mpi and gloo between 2 ranks sharing GPU 0; nccl at world 1.
+
+    Each transport gets an equal share of what is left of the stage: one that runs past it is reported as
+    timed out, its ranks killed, and the next one runs."""
+    sizes, reps = ([100 * 10**6, 10**9], 2) if cfg.gpu else ([10**6, 8 * 10**6], 2)
+    todo = [(t, w) for t, w in (("mpi", 2), ("gloo", 2), ("nccl", 1)) if cfg.gpu or t != "nccl"]
+    rows: list[dict[str, Any]] = []
+    for i, (transport, world) in enumerate(todo):
+        share = cfg.left() / (len(todo) - i)
         ranks = _ranks(world, (1.0 / world) if cfg.gpu else 0)
+        began = time.monotonic()
         try:
-            with _limit(LIMITS_S["sync"] // 3):
-                comm.form(ranks, timeout_s=60)
-                ms = ray.get([r.sync_times.remote(transport, sizes, reps, cfg.gpu) for r in ranks])[0]
+            comm.form(ranks, timeout_s=share)
+            refs = [r.sync_times.remote(transport, sizes, reps, cfg.gpu) for r in ranks]
+            ms = ray.get(refs, timeout=max(1.0, share - (time.monotonic() - began)))[0]
             rows.append({"transport": transport, "ranks": world, **ms})
-        except (Exception, StageTimeout) as exc:
+        except Exception as exc:
             rows.append({"transport": transport, "ranks": world, "error": f"{type(exc).__name__}: {exc}"[:300]})
         finally:
             for r in ranks:
                 ray.kill(r)
+        cfg.partial({"rows": rows, "sizes_bytes": sizes})
     return {"rows": rows, "sizes_bytes": sizes}
 
 
@@ -433,8 +463,8 @@ def _fit_ms(result: Any, global_batch: int) -> float:
     return global_batch / statistics.median(chunks) * 1e3
 
 
-def stage_resnet(cfg: argparse.Namespace) -> dict[str, Any]:
-    size, batch, steps, n = (64, 128, 200, 4096) if cfg.gpu else (32, 4, 6, 32)
+def stage_resnet(cfg: _Stage) -> dict[str, Any]:
+    size, batch, steps, n = (64, 128, 100, 4096) if cfg.gpu else (32, 4, 6, 32)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
     device = torch.device("cuda", 0) if cfg.gpu else torch.device("cpu")
@@ -454,26 +484,26 @@ def stage_resnet(cfg: argparse.Namespace) -> dict[str, Any]:
             "ms_per_sample": plain / batch,
         }
     )
+    cfg.partial({"rows": rows})
     gpus = max(1, torch.cuda.device_count()) if cfg.gpu else 1
     for label, workers, share, overlap, transport in (
         (f"raympi.fit, {gpus} worker(s), one per GPU", gpus, False, None, "auto"),
         ("raympi.fit, 2 workers on GPU 0, mpi, overlap on", 2, True, True, "mpi"),
         ("raympi.fit, 2 workers on GPU 0, gloo, overlap on", 2, True, True, "gloo"),
     ):
-        try:
-            with _limit(45):
-                result = _fit(
-                    _resnet(),
-                    (x, y),
-                    cfg.gpu,
-                    workers,
-                    share,
-                    batch_size=batch * workers,
-                    overlap=overlap,
-                    epochs=steps * batch * workers // n + 1,
-                    grad_transport=transport,
-                    **opts,
-                )
+        try:  # bounded by fit's own deadlines, and by the stage's limit (its process is killed there)
+            result = _fit(
+                _resnet(),
+                (x, y),
+                cfg.gpu,
+                workers,
+                share,
+                batch_size=batch * workers,
+                overlap=overlap,
+                epochs=steps * batch * workers // n + 1,
+                grad_transport=transport,
+                **opts,
+            )
             ms = _fit_ms(result, batch * workers)
             rows.append(
                 {
@@ -485,8 +515,9 @@ def stage_resnet(cfg: argparse.Namespace) -> dict[str, Any]:
                     "final_loss": result.metrics[-1]["loss"],
                 }
             )
-        except (Exception, StageTimeout) as exc:
+        except Exception as exc:
             rows.append({"case": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        cfg.partial({"rows": rows})
     one = rows[1].get("vs_plain_per_sample")
     return {
         "rows": rows,
@@ -517,58 +548,162 @@ def _print(name: str, result: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+STAGES = {
+    "env": stage_env,
+    "parity": stage_parity,
+    "nccl1": stage_nccl1,
+    "resnet": stage_resnet,
+    "sync": stage_sync,
+}
+
+
+def _child(args: argparse.Namespace) -> int:
+    """``--stage NAME``: run one stage in this process, a driver attached to the parent's Ray; its result (or its
+    traceback) goes to ``--result`` as JSON, and its rows as they come (:meth:`_Stage.partial`)."""
+    stage = _Stage(not args.cpu, args.limit_s, Path(args.result))
+    try:
+        if args.stage != "env":
+            pickle_by_value()
+            ray.init(address=args.address, logging_level="ERROR", runtime_env={"env_vars": dict(OMP1)})
+        _write_json(stage.result, {"status": "ok", "result": STAGES[args.stage](stage)})
+        return 0
+    except Exception:
+        _write_json(stage.result, {"status": "failed", "error": traceback.format_exc(limit=6)[-3000:]})
+        return 1
+    finally:  # the kept workers hold their CPUs and GPU shares until released (or this job ends)
+        with contextlib.suppress(Exception):
+            raympi.release_workers()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the child's process group, SIGKILL after :data:`KILL_GRACE_S`."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _run_stage(name: str, limit_s: float, gpu: bool, address: str | None, tmp: Path) -> dict[str, Any]:
+    """Run stage ``name`` as a child process (its own process group) and stop it at ``limit_s``."""
+    result = tmp / f"{name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", name, "--result", str(result)]
+    cmd += ["--limit-s", f"{limit_s:.1f}", "--address", address or ""] + ([] if gpu else ["--cpu"])
+    entry: dict[str, Any] = {"limit_s": round(limit_s, 1)}
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        rc: int | None = proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        rc = None
+        _stop(proc)
+    try:
+        got = json.loads(result.read_text())
+    except (OSError, ValueError):
+        got = {}
+    if got.get("status") in ("ok", "failed"):  # done, even if its process then lingered past the limit
+        entry.update({k: v for k, v in got.items() if k in ("status", "result", "error")})
+        if rc is None:
+            entry["note"] = f"its process was stopped at the {limit_s:.0f} s limit after the stage had ended"
+    elif rc is None:
+        entry.update(status="timeout", error=f"stopped at its {limit_s:.0f} s limit (process group killed)")
+        if got.get("partial"):
+            entry["result"] = got["partial"]
+    else:
+        entry.update(status="failed", error=f"the stage's process exited {rc} without a result")
+        if got.get("partial"):
+            entry["result"] = got["partial"]
+    return entry
+
+
+def _settle(timeout_s: float = 15.0) -> None:
+    """Wait (a little) until the last stage's job has given Ray back its CPUs and GPUs: its actors and
+    placement groups end with it (at once when it exits; a stopped one's within a second or two here)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with contextlib.suppress(Exception):
+            total, free = ray.cluster_resources(), ray.available_resources()
+            if all(free.get(k, 0) >= total.get(k, 0) for k in ("CPU", "GPU")):
+                return
+        time.sleep(0.2)
+
+
+def _parse_limits(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in ",".join(items).split(","):
+        if item.strip():
+            name, _, seconds = item.partition("=")
+            if name.strip() not in STAGES or not seconds:
+                raise SystemExit(f"--limit {item!r}: expected STAGE=SECONDS with STAGE one of {', '.join(STAGES)}")
+            out[name.strip()] = float(seconds)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="CPU workers, tiny sizes (automatic without CUDA)")
-    ap.add_argument("--stages", default="env,parity,nccl1,resnet,sync", help="comma-separated subset")
+    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, run in the order given")
+    ap.add_argument(
+        "--limit", action="append", default=[], metavar="STAGE=S", help="a stage's limit in seconds (repeatable)"
+    )
+    ap.add_argument("--budget", type=float, help="seconds for the whole run (default: 225 on GPU, 600 with --cpu)")
+    ap.add_argument("--stage", help=argparse.SUPPRESS)  # a stage's child process (see _child)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--limit-s", type=float, default=60.0, help=argparse.SUPPRESS)
     cfg = ap.parse_args(argv)
-    cfg.gpu = not cfg.cpu and torch.cuda.is_available()
+    if cfg.stage:
+        raise SystemExit(_child(cfg))
+    gpu = not cfg.cpu and torch.cuda.is_available()
+    mode = "gpu" if gpu else "cpu"
+    limits = {**LIMITS_S[mode], **_parse_limits(cfg.limit)}
+    budget = min(BUDGET_S[mode], cfg.budget) if cfg.budget else BUDGET_S[mode]
+    names = [n for n in cfg.stages.split(",") if n]
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        raise SystemExit(f"--stages: unknown {unknown}; known: {', '.join(STAGES)}")
     began = time.monotonic()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "out"
-    out_file = out_dir / ("gpu_check.json" if cfg.gpu else "gpu_check_cpu.json")
-    report: dict[str, Any] = {"mode": "gpu" if cfg.gpu else "cpu", "stages": {}}
-    print(f"gpu_check: {'GPU' if cfg.gpu else 'CPU (--cpu or no CUDA): the same paths, tiny sizes'}", flush=True)
+    out_file = out_dir / ("gpu_check.json" if gpu else "gpu_check_cpu.json")
+    report: dict[str, Any] = {"mode": mode, "budget_s": budget, "limits_s": limits, "stages": {}}
+    print(f"gpu_check: {'GPU' if gpu else 'CPU (--cpu or no CUDA): the same paths, tiny sizes'}", flush=True)
+    print(f"   budget {budget:.0f} s; limits: " + ", ".join(f"{n} {limits[n]:.0f} s" for n in names), flush=True)
+    address = None
     try:
         t0 = time.monotonic()
-        start_local_ray(os.cpu_count(), env=OMP1, num_gpus=torch.cuda.device_count() if cfg.gpu else 0)
+        start_local_ray(os.cpu_count() or 1, env=OMP1, num_gpus=torch.cuda.device_count() if gpu else 0)
+        address = ray.get_runtime_context().gcs_address
         report["ray_start_s"] = time.monotonic() - t0
     except Exception as exc:
         report["ray_start_error"] = f"{type(exc).__name__}: {exc}"
-    stages = {
-        "env": stage_env,
-        "parity": stage_parity,
-        "nccl1": stage_nccl1,
-        "resnet": stage_resnet,
-        "sync": stage_sync,
-    }
-    for name in cfg.stages.split(","):
-        left = BUDGET_S - (time.monotonic() - began)
-        entry: dict[str, Any] = {}
-        start = time.monotonic()
-        if left < 30 or (name != "env" and "ray_start_error" in report):
-            entry["status"] = "skipped (time budget)" if left < 30 else "skipped (Ray did not start)"
-        else:
-            try:
-                with _limit(min(LIMITS_S.get(name, 60), left)):
-                    entry["result"] = stages[name](cfg)
-                entry["status"] = "ok"
-            except StageTimeout as exc:
-                entry.update(status="timeout", error=str(exc))
-            except Exception:
-                entry.update(status="failed", error=traceback.format_exc(limit=4)[-2000:])
-        entry["seconds"] = time.monotonic() - start
-        report["stages"][name] = entry
-        _print(name, entry)
-        try:  # written after every stage: a later hang still leaves the rest
-            out_dir.mkdir(parents=True, exist_ok=True)
-            out_file.write_text(json.dumps({**report, "total_s": time.monotonic() - began}, indent=1, default=str))
-        except OSError as exc:
-            print(f"could not write {out_file}: {exc}")
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+        for name in names:
+            left = budget - (time.monotonic() - began)
+            entry: dict[str, Any]
+            start = time.monotonic()
+            if left < MIN_STAGE_S:
+                entry = {"status": "skipped (time budget)"}
+            elif name != "env" and address is None:
+                entry = {"status": "skipped (Ray did not start)"}
+            else:
+                entry = _run_stage(name, min(limits[name], left), gpu, address, Path(tmp))
+                if address is not None:
+                    _settle()
+            entry["seconds"] = time.monotonic() - start
+            report["stages"][name] = entry
+            _print(name, entry)
+            try:  # written after every stage: a later hang still leaves the rest
+                out_dir.mkdir(parents=True, exist_ok=True)
+                _write_json(out_file, {**report, "total_s": time.monotonic() - began})
+            except OSError as exc:
+                print(f"could not write {out_file}: {exc}")
     with contextlib.suppress(Exception):
         ray.shutdown()
     report["total_s"] = time.monotonic() - began
-    out_file.write_text(json.dumps(report, indent=1, default=str))
-    print(f"\ntotal {report['total_s']:.0f} s; JSON: {out_file}")
+    _write_json(out_file, report)
+    print(f"\ntotal {report['total_s']:.0f} s; JSON: {out_file}", flush=True)
     return report
 
 

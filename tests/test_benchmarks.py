@@ -250,24 +250,40 @@ def test_scale_quick():
 
 def test_gpu_check_cpu_mode_smoke(tmp_path):
     """benchmarks/gpu_check.py --cpu: the script, its guards, the world-of-one process-group step and the
-    gradient syncs run on CPU (gloo standing in for NCCL) and write JSON; the steps match no sync bit for bit."""
+    gradient syncs run on CPU (gloo standing in for NCCL) and write JSON; the steps match no sync bit for bit.
+    A stage that overruns its limit (parity, given 3 s: stopped while it starts its fits) is stopped there, its process
+    group killed, and the stages after it still run on the same Ray."""
     import json
 
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--stages", "env,nccl1,sync"],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--cpu",
+            "--stages",
+            "env,parity,nccl1,sync",
+            "--limit",
+            "parity=3",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=240,
         env={**os.environ, "OUT": str(tmp_path)},
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
-    assert {k: v["status"] for k, v in report["stages"].items()} == {"env": "ok", "nccl1": "ok", "sync": "ok"}, (
-        proc.stdout
-    )
-    assert report["stages"]["nccl1"]["result"]["all_match"] is True, proc.stdout
-    rows = report["stages"]["sync"]["result"]["rows"]
+    stages = report["stages"]
+    assert {k: v["status"] for k, v in stages.items()} == {
+        "env": "ok",
+        "parity": "timeout",
+        "nccl1": "ok",
+        "sync": "ok",
+    }, proc.stdout
+    assert stages["parity"]["limit_s"] == 3 and stages["parity"]["seconds"] < 20, stages["parity"]
+    assert stages["env"]["result"]["workers' NCCL environment"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert stages["nccl1"]["result"]["all_match"] is True, proc.stdout
+    rows = stages["sync"]["result"]["rows"]
     assert [r["transport"] for r in rows] == ["mpi", "gloo"] and all(
         r["1 MB tree"] > 0 and r["8 MB buckets"] > 0 for r in rows
     ), rows
