@@ -154,3 +154,124 @@ def test_gpu_machine_carry_fits(tmp_path: Path) -> None:
         assert project in names, project
     assert "cp312" in summary["ray_wheel"]["name"]
     assert {"mpi4py", "matplotlib"} <= set(summary["fallback_groups"])  # the first two fallbacks always fit
+
+
+# --------------------------------------------------------------------------- the GPU machine's image, simulated
+
+
+def _closure(roots: tuple[str, ...], leave_out: tuple[str, ...]) -> list:
+    """The installed distributions ``roots`` need, with what those need (extras and markers honoured), less
+    ``leave_out`` and what only it brings."""
+    import importlib.metadata
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    def norm(name: str) -> str:
+        return name.lower().replace("_", "-").replace(".", "-")
+
+    env = default_environment()
+    found: dict[str, importlib.metadata.Distribution] = {}
+    done: set[tuple[str, str]] = set()  # (distribution, extra) whose requirements are queued
+    todo = [(r, ("",)) for r in roots]
+    while todo:
+        name, extras = todo.pop()
+        if norm(name) in leave_out:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:  # an optional need not installed here
+            continue
+        key = norm(dist.metadata["Name"])
+        found[key] = dist
+        for extra in extras:
+            if (key, extra) in done:
+                continue
+            done.add((key, extra))
+            for line in dist.requires or []:
+                req = Requirement(line)
+                wanted = req.marker.evaluate({**env, "extra": extra}) if req.marker else extra == ""
+                if wanted:
+                    todo.append((req.name, ("", *req.extras)))
+    return list(found.values())
+
+
+def _image_like_venv(where: Path) -> Path:
+    """A venv shaped like the GPU machine's ``python3`` (itself a venv's interpreter, holding torch, numpy and
+    mpi4py and no Ray, pydantic or mpich): a venv of the base interpreter without ``--system-site-packages``,
+    into whose site-packages the top-level files of torch, numpy, mpi4py and pip (with what they need, less the
+    mpich wheel) are linked from this interpreter's.  Returns the venv's ``bin/python3``."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", str(where)], check=True)
+    site = where / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    for dist in _closure(("torch", "numpy", "mpi4py", "pip"), leave_out=("mpich",)):
+        root = Path(dist.locate_file(""))
+        for top in {f.parts[0] for f in dist.files or () if f.parts[0] not in ("..", "__pycache__")}:
+            if not (site / top).exists() and (root / top).exists():
+                (site / top).symlink_to(root / top)
+    return where / "bin" / "python3"
+
+
+def _probe(python: Path, env: dict[str, str]) -> dict:
+    """Where ``python`` finds each package (the file it would load, without importing it), and its sys.path."""
+    script = textwrap.dedent("""
+        import importlib.util, json, sys
+        out = {"sys.path": sys.path}
+        for name in ("torch", "numpy", "mpi4py", "ray", "pydantic", "raympi"):
+            spec = importlib.util.find_spec(name)
+            out[name] = spec.origin if spec else None
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([str(python), "-c", script], env=env, capture_output=True, text=True, timeout=60, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gpu_run_on_a_simulated_image(tmp_path: Path) -> None:
+    """``bash benchmarks/gpu_run.sh --cpu`` end to end in an environment shaped like the GPU machine's: ``python3``
+    first on PATH is a venv's interpreter holding torch, numpy and mpi4py only (no Ray, pydantic or mpich, and
+    not the base interpreter's pydantic and numpy either), the carry is built here for this Python, pip finds
+    nothing but the carry (no index, no pip configuration).  Every stage of gpu_check runs ok, and afterwards
+    Ray and pydantic resolve inside that venv, torch and numpy still from the machine's own copies."""
+    gc = _gpu_carry()
+    carry = tmp_path / "carry"
+    gc.build(carry, f"{sys.version_info[0]}.{sys.version_info[1]}", None, fallbacks=True)
+    image = tmp_path / "image"
+    python3 = _image_like_venv(image)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "PIP_", "VIRTUAL_ENV", "CONDA")) and k != "RAY_ADDRESS"
+    }
+    env.update(PATH=f"{python3.parent}:{env['PATH']}", OUT=str(tmp_path / "out"), CARRY=str(carry))
+    env["VENV"] = str(tmp_path / "nested-venv")  # where the old gpu_run.sh put its venv
+    # The limits are the GPU machine's (16 cores, one device call); 2 loaded cores get room, not a different path.
+    env.update(GPU_RUN_LIMIT_S="600", GPU_RUN_SETUP_S="240")
+    before = _probe(python3, env)
+    site = str(image / "lib")
+    assert before["ray"] is None and before["pydantic"] is None and before["raympi"] is None, before
+    assert all(before[n] and before[n].startswith(site) for n in ("torch", "numpy", "mpi4py")), before
+    assert not any("pyenv" in p and "site-packages" in p for p in before["sys.path"]), before
+
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_run.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=780
+    )
+    log = proc.stdout + proc.stderr
+    report = tmp_path / "out" / "gpu_check_cpu.json"
+    assert report.exists(), f"no {report.name} (rc {proc.returncode}):\n{log[-6000:]}"
+    stages = json.loads(report.read_text())["stages"]
+    assert {k: v["status"] for k, v in stages.items()} == dict.fromkeys(
+        ("env", "parity", "nccl1", "resnet", "sync"), "ok"
+    ), log[-6000:]
+    assert proc.returncode == 0, log[-6000:]
+    assert stages["parity"]["result"]["all_match"] and stages["nccl1"]["result"]["all_match"], log[-6000:]
+
+    after = _probe(python3, env)
+    assert after["ray"].startswith(site) and after["pydantic"].startswith(site), after
+    for name in ("torch", "numpy"):  # the machine's own, not shadowed by anything carried
+        assert after[name] == before[name], (name, before[name], after[name])
+    ray_dir = Path(after["ray"]).parent
+    assert not (ray_dir / "rllib").exists(), "the Ray installed is not the carried (slimmed) wheel"
+    assert (tmp_path / "out" / "gpu_run.log").exists()
