@@ -193,8 +193,9 @@ class Communicator:
         """Sum the flat tensor ``flat`` over all ranks and return this rank's chunk of the sums.
 
         Rank ``r``'s chunk is ``counts[r]`` elements at offset ``r * max(counts)`` (``flat`` may be padded
-        past ``sum(counts)``).  One ``MPI_Ireduce_scatter`` with ``MPI_IN_PLACE`` over a host copy
-        (16-bit floats summed in float32), polled as :meth:`wait` does.  ``compression`` does not apply.
+        past ``sum(counts)``).  One ``MPI_Ireduce_scatter`` with ``MPI_IN_PLACE``, polled as :meth:`wait`
+        does: on ``flat`` itself when it is a CPU tensor MPI can sum (its contents are then overwritten),
+        else on a host copy (16-bit floats summed in float32).  ``compression`` does not apply.
 
         Returns:
             A new tensor of ``counts[rank]`` elements, of ``flat``'s dtype and device.
@@ -204,7 +205,7 @@ class Communicator:
 
         chunk, total = max(counts), sum(counts)
         wire = _tensors.REDUCE_AS.get(flat.dtype, flat.dtype)
-        host = flat[:total].to("cpu", wire, copy=True)  # MPI writes into it: never the caller's memory
+        host = flat[:total].to("cpu", wire)  # flat itself where it can be summed as it is
         # Rank r's chunk starts at r * chunk: with the exact counts it sits at sum(counts[:r]) only while
         # every earlier chunk is full, which the layout guarantees (only the last chunks are short).
         assert all(c == chunk for c in counts[: self.rank]), "only the last chunks may be shorter"

@@ -191,10 +191,9 @@ class ProcessGroupSum:
         future, and did not complete): it sums the whole buffer, as its own reduce-scatter would."""
         chunk, rank = max(counts), self.comm.rank
         if self.backend != "nccl":
-            summed = flat.clone()
-            self._start_sliced(summed)
+            self._start_sliced(flat)  # (flat is the caller's to overwrite)
             self.finish()
-            return summed[rank * chunk : rank * chunk + counts[rank]].clone()
+            return flat[rank * chunk : rank * chunk + counts[rank]].clone()
         wire = flat.float() if self.fp32_reduce and flat.dtype in _SIXTEEN else flat
         out = torch.empty(chunk, dtype=wire.dtype, device=wire.device)
         self._collective(lambda: self.pg._reduce_scatter_base(out, wire), out)

@@ -56,7 +56,8 @@ class ShardSync(Protocol):
     size: int
 
     def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        """Sum ``flat`` (padded to ``max(counts) * size`` elements) over the ranks; return this rank's chunk."""
+        """Sum ``flat`` (padded to ``max(counts) * size`` elements, and free to overwrite) over the ranks;
+        return this rank's chunk as a tensor of its own."""
         ...
 
     def all_gather_(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
@@ -226,21 +227,69 @@ def join_states(parts: Sequence[TrainState]) -> TrainState:
     return parts[0].replace(opt_state=gather_opt_state([p.opt_state for p in parts], layout))
 
 
-def _flat(tensors: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
-    """The tensors flattened into one new buffer padded to ``chunk * world``."""
-    out = torch.zeros(layout.chunk * layout.world, dtype=tensors[0].dtype, device=tensors[0].device)
+class ShardBuffers:
+    """The memory a sharded step writes into again, for a caller that donates its states
+    (``make_train_step(donate=True)``, as the workers do): no fresh allocation per step (on the CPU,
+    page faults), while nothing the current state holds is written before the step commits.
+
+    Holds the flat gradient buffer, and the flat parameter buffer and optimizer state of the step
+    before last (its output, which the caller has dropped): the next step copies the current
+    optimizer state into them and updates them in place.
+    """
+
+    def __init__(self) -> None:
+        self.grads: Optional[torch.Tensor] = None
+        self.last: Optional[tuple[torch.Tensor, list[Any]]] = None  # the last output: (flat params, state leaves)
+        self.spare: Optional[tuple[torch.Tensor, list[Any]]] = None  # the one before: free to write
+        self.input_was_last = False
+
+    def grad_buffer(self, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
+        size, buf = layout.chunk * layout.world, self.grads
+        if buf is None or buf.numel() != size or buf.dtype != like.dtype or buf.device != like.device:
+            self.grads = buf = torch.zeros(size, dtype=like.dtype, device=like.device)
+        return buf
+
+    def spare_for(self, params: dict[str, torch.Tensor], inner: Any) -> Optional[tuple[torch.Tensor, list[Any]]]:
+        """The buffers to write this step into: the spare ones, when ``params`` and ``inner`` are the last output."""
+        last, first, leaves = self.last, next(iter(params.values())), pytree.leaves(inner)
+        self.input_was_last = (
+            last is not None
+            and first.data_ptr() == last[0].data_ptr()
+            and len(leaves) == len(last[1])
+            and all(a is b for a, b in zip(leaves, last[1]))
+        )
+        if not self.input_was_last:
+            self.spare = None  # another state than the last output: nothing is known to be free
+        return self.spare
+
+    def committed(self, flat: torch.Tensor, inner: Any) -> None:
+        """The step wrote ``flat`` and ``inner``: the input state's buffers, when it was the last output, become
+        the spare (the caller donated it)."""
+        self.spare = self.last if self.input_was_last else None
+        self.last = (flat, pytree.leaves(inner))
+
+
+def _flat(tensors: list[torch.Tensor], layout: ShardLayout, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The tensors flattened into one buffer padded to ``chunk * world`` (``out``, or a new one)."""
+    if out is None:
+        out = torch.zeros(layout.chunk * layout.world, dtype=tensors[0].dtype, device=tensors[0].device)
     torch.cat([t.reshape(-1) for t in tensors], out=out[: layout.total])
     return out
 
 
 def reduce_gradients(
-    grads: dict[str, torch.Tensor], layout: ShardLayout, sync: Optional[ShardSync]
+    grads: dict[str, torch.Tensor],
+    layout: ShardLayout,
+    sync: Optional[ShardSync],
+    buffers: Optional[ShardBuffers] = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's pieces of the gradients summed over the ranks (a reduce-scatter)."""
     rank = 0 if sync is None else sync.rank
     if sync is None:
         return {n: t.clone() for n, t in _cut(grads, layout, rank).items()}
-    chunk = sync.reduce_scatter(_flat(list(grads.values()), layout), layout.counts())
+    g = list(grads.values())
+    flat = _flat(g, layout, buffers.grad_buffer(layout, g[0]) if buffers is not None else None)
+    chunk = sync.reduce_scatter(flat, layout.counts())
     lo, _ = layout.bounds(rank)
     offset, out = 0, {}
     for name, n, (a, b) in zip(layout.names, layout.numels, layout.pieces(rank).values()):
@@ -255,8 +304,12 @@ def apply_sharded(
     opt_state: Any,
     params: dict[str, torch.Tensor],
     sync: Optional[ShardSync],
+    buffers: Optional[ShardBuffers] = None,
 ) -> tuple[dict[str, torch.Tensor], ShardedState]:
     """One optimizer step on this rank's pieces, then the all-gather of the new parameters.
+
+    Nothing the inputs hold is written.  With ``buffers`` (a caller that drops its old states), the
+    step writes into the buffers of the state before last instead of new ones.
 
     Args:
         optimizer: the optimizer, as unsharded.
@@ -264,9 +317,10 @@ def apply_sharded(
         opt_state: this rank's :class:`ShardedState`, or an unsharded state (cut here on the first step).
         params: the whole parameters (not written).
         sync: the collectives; ``None`` in a world of one.
+        buffers: the step's :class:`ShardBuffers`, or ``None`` (new tensors every step).
 
     Returns:
-        ``(new whole parameters, new ShardedState)``: new tensors; the inputs are left as they were.
+        ``(new whole parameters, new ShardedState)``; the inputs are left as they were.
 
     Raises:
         TrainingError: ``opt_state`` was sharded over another world size or for another rank.
@@ -281,30 +335,67 @@ def apply_sharded(
             f"of {world}: gather it first (raympi.core.shard.gather_opt_state) and split it for this world"
         )
     view = _full_view(params, _alone if sync is None else sync.sum_)
-    with sharded(view):
-        new_pieces, inner = apply_gradients(optimizer, grads, opt_state.inner_state, _cut(params, layout, rank))
-    out = gather_params(new_pieces, layout, sync)
+    spare = buffers.spare_for(params, opt_state.inner_state) if buffers is not None else None
+    if spare is None:
+        with sharded(view):
+            new_pieces, inner = apply_gradients(optimizer, grads, opt_state.inner_state, _cut(params, layout, rank))
+        out = gather_params(new_pieces, layout, sync)
+    else:  # the spare buffers take a copy of the current slice and state, then the step in place
+        flat, state_leaves = spare
+        lo, hi = layout.bounds(rank)
+        flat[lo:hi].copy_(_flat_of(params)[lo:hi])
+        torch._foreach_copy_(state_leaves, pytree.leaves(opt_state.inner_state))
+        spec = pytree.flatten(opt_state.inner_state)[1]
+        pieces = _cut(_views(flat, layout), layout, rank)
+        with sharded(view):
+            new_pieces, inner = apply_gradients(
+                optimizer, grads, pytree.unflatten(state_leaves, spec), pieces, donate=True
+            )
+        for name, piece in pieces.items():  # a transformation may hand back new tensors instead of writing in place
+            if new_pieces[name].data_ptr() != piece.data_ptr():
+                piece.copy_(new_pieces[name])
+        out = gather_params(pieces, layout, sync, into=flat)
+    if buffers is not None:
+        buffers.committed(_flat_of(out), inner)
     return out, ShardedState(inner, opt_state.rank, opt_state.world)
 
 
-def gather_params(
-    pieces: dict[str, torch.Tensor], layout: ShardLayout, sync: Optional[ShardSync]
-) -> dict[str, torch.Tensor]:
-    """Whole tensors shaped like the parameters from every rank's pieces (an all-gather), as views of one
-    new buffer; with ``sync`` ``None`` (one rank) the pieces are the whole."""
-    rank = 0 if sync is None else sync.rank
-    first = next(iter(pieces.values()))
-    flat = torch.empty(layout.chunk * layout.world, dtype=first.dtype, device=first.device)
-    lo, hi = layout.bounds(rank)
-    if hi > lo:
-        torch.cat([p.reshape(-1) for p in pieces.values()], out=flat[lo:hi])
-    if sync is not None:
-        sync.all_gather_(flat, layout.counts())
+def _views(flat: torch.Tensor, layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """The parameters as views of the flat buffer ``flat``."""
     out, offset = {}, 0
     for name, shape, n in zip(layout.names, layout.shapes, layout.numels):
         out[name] = flat[offset : offset + n].view(shape)
         offset += n
     return out
+
+
+def _flat_of(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The flat buffer a step's output parameters are views of."""
+    base = next(iter(params.values()))._base
+    assert base is not None and base.dim() == 1, "not a sharded step's output"
+    return base
+
+
+def gather_params(
+    pieces: dict[str, torch.Tensor],
+    layout: ShardLayout,
+    sync: Optional[ShardSync],
+    into: Optional[torch.Tensor] = None,
+) -> dict[str, torch.Tensor]:
+    """Whole tensors shaped like the parameters from every rank's pieces (an all-gather), as views of one
+    flat buffer (``into``, whose own chunk already holds the pieces, or a new one); with ``sync`` ``None``
+    (one rank) the pieces are the whole."""
+    rank = 0 if sync is None else sync.rank
+    flat = into
+    if flat is None:
+        first = next(iter(pieces.values()))
+        flat = torch.empty(layout.chunk * layout.world, dtype=first.dtype, device=first.device)
+        lo, hi = layout.bounds(rank)
+        if hi > lo:
+            torch.cat([p.reshape(-1) for p in pieces.values()], out=flat[lo:hi])
+    if sync is not None:
+        sync.all_gather_(flat, layout.counts())
+    return _views(flat, layout)
 
 
 def check_shardable(params: dict[str, torch.Tensor]) -> None:

@@ -63,7 +63,14 @@ from raympi.core.precision import (
     unscale_,
 )
 from raympi.core.rng import seed_generators, step_seed
-from raympi.core.shard import ShardLayout, ShardSync, apply_sharded, check_shardable, reduce_gradients
+from raympi.core.shard import (
+    ShardBuffers,
+    ShardLayout,
+    ShardSync,
+    apply_sharded,
+    check_shardable,
+    reduce_gradients,
+)
 from raympi.core.state import TrainState
 from raympi.exceptions import ConfigError, NonFiniteLossError, TrainingError
 
@@ -256,6 +263,7 @@ def make_train_step(
         layout=layout,
         trainable=trainable,
         shard=shard_optimizer,
+        buffers=ShardBuffers() if shard_optimizer and donate else None,
         mutable=frozenset(n for n, _ in model.named_buffers()),  # frozen parameters are never written
     )
 
@@ -307,6 +315,7 @@ class _Setup:
     layout: StatsLayout  # the statistics row
     trainable: frozenset[str]  # the names state.params must have
     shard: bool  # shard_optimizer: this rank's slice of the sums and of the optimizer state
+    buffers: Optional[ShardBuffers]  # shard_optimizer with donate: the memory its steps write into again
     mutable: frozenset[str]  # the real buffers: the forward pass may write them
 
 
@@ -425,7 +434,8 @@ def _sync_shards(
     if setup.scaler:
         stats = torch.cat([stats, nonfinite_flag(list(grads.values())).to(stats.device)])
     sync = cast(Optional[ShardSync], setup.grad_sync)
-    return reduce_gradients(grads, ShardLayout.of(grads, 1 if sync is None else sync.size), sync), stats
+    layout = ShardLayout.of(grads, 1 if sync is None else sync.size)
+    return reduce_gradients(grads, layout, sync, setup.buffers), stats
 
 
 def _read(
@@ -477,7 +487,7 @@ def _update(
         return state.replace(buffers=buffers if finite else state.buffers, **new), metrics
     if setup.shard:  # never in place: a step abandoned in the all-gather leaves the state as it was
         sync = cast(Optional[ShardSync], setup.grad_sync)
-        params, opt_state = apply_sharded(setup.optimizer, grads, state.opt_state, state.params, sync)
+        params, opt_state = apply_sharded(setup.optimizer, grads, state.opt_state, state.params, sync, setup.buffers)
     else:
         params, opt_state = apply_gradients(setup.optimizer, grads, state.opt_state, state.params, donate=setup.donate)
     return state.replace(params=params, buffers=buffers, opt_state=opt_state, **new), metrics
