@@ -603,14 +603,18 @@ def _run_stage(name: str, limit_s: float, gpu: bool, address: str | None, tmp: P
         got = json.loads(result.read_text())
     except (OSError, ValueError):
         got = {}
-    if got.get("status") in ("ok", "failed"):  # done, even if its process then lingered past the limit
-        entry.update({k: v for k, v in got.items() if k in ("status", "result", "error")})
+    if got.get("status") == "ok":  # done, even if its process then lingered past the limit
+        entry.update({k: v for k, v in got.items() if k in ("status", "result")})
         if rc is None:
             entry["note"] = f"its process was stopped at the {limit_s:.0f} s limit after the stage had ended"
-    elif rc is None:
+    elif rc is None:  # stopped; what it raised on SIGTERM (fit: PreemptedError) is a consequence, kept as detail
         entry.update(status="timeout", error=f"stopped at its {limit_s:.0f} s limit (process group killed)")
         if got.get("partial"):
             entry["result"] = got["partial"]
+        if got.get("error"):
+            entry["error"] += "; then: " + got["error"].strip().splitlines()[-1][:300]
+    elif got.get("status") == "failed":
+        entry.update({k: v for k, v in got.items() if k in ("status", "error")})
     else:
         entry.update(status="failed", error=f"the stage's process exited {rc} without a result")
         if got.get("partial"):
