@@ -198,7 +198,8 @@ class Communicator:
         else on a host copy (16-bit floats summed in float32).  ``compression`` does not apply.
 
         Returns:
-            A new tensor of ``counts[rank]`` elements, of ``flat``'s dtype and device.
+            ``counts[rank]`` elements of ``flat``'s dtype and device: a view of ``flat``'s start where MPI
+            summed in it, else a new tensor.
         """
         import torch
         from raympi.comm import tensors as _tensors
@@ -211,7 +212,9 @@ class Communicator:
         assert all(c == chunk for c in counts[: self.rank]), "only the last chunks may be shorter"
         array = host.numpy()
         self.wait(self.mpi.Ireduce_scatter(self.MPI.IN_PLACE, array, list(counts), op=self.MPI.SUM), array)
-        return torch.from_numpy(array[: counts[self.rank]]).to(flat.device, flat.dtype, copy=True)
+        if host.data_ptr() == flat.data_ptr():  # summed where it lay: the result is flat's first elements
+            return flat[: counts[self.rank]]
+        return torch.from_numpy(array[: counts[self.rank]]).to(flat.device, flat.dtype)
 
     def all_gather_(self, flat: Any, counts: Any) -> Any:
         """Fill ``flat`` in place with every rank's chunk (rank ``r``'s ``counts[r]`` elements at ``r * max(counts)``,

@@ -57,7 +57,7 @@ class ShardSync(Protocol):
 
     def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Sum ``flat`` (padded to ``max(counts) * size`` elements, and free to overwrite) over the ranks;
-        return this rank's chunk as a tensor of its own."""
+        return this rank's chunk (it may be a view of ``flat``)."""
         ...
 
     def all_gather_(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
