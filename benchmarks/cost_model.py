@@ -409,6 +409,41 @@ def measure_sum(mb: int = 64, reps: int = 20) -> float:
     return n * 4 / sorted(times)[reps // 2]
 
 
+# Bytes a parameter holds at a step's peak on each GPU, AdamW, bf16 autocast over float32 master parameters (as
+# raympi trains): P parameters, G gradients, S the optimizer state (Adam's two moments), N ranks.
+MEMORY_MODELS = {
+    "unsharded": lambda n: 4 + 4 + 8,  # P + G + S; the step donates: no second copy
+    "shard_optimizer, as built": lambda n: 4 + 4 + 4 + 8 / n + 4 / n,
+    # peak: P + G + the flat buffer the reduce-scatter sums (then G goes; the all-gather fills a new P), plus
+    # S / N and this rank's summed slice of G
+    "shard_optimizer + overlap (gradients shed per bucket)": lambda n: 4 + 4 + 12 / n,
+    # P + the new P of the all-gather; no whole G ever (the buckets are reduce-scattered as backward makes them)
+}
+ACTIVATION_SHARE = 0.25  # of the GPU's memory kept for activations, NCCL's buffers and the allocator's slack
+
+
+def memory_rows(gpu_gb: float = 80.0, worlds: tuple[int, ...] = (8, 64)) -> list[dict[str, Any]]:
+    """The largest model (parameters) whose training state fits on ``gpu_gb`` GPUs at each world size."""
+    room = gpu_gb * 1e9 * (1 - ACTIVATION_SHARE)
+    return [
+        {"layout": name, "gpus": n, "bytes_per_param": per(n), "max_params_B": room / per(n) / 1e9}
+        for name, per in MEMORY_MODELS.items()
+        for n in worlds
+    ]
+
+
+def memory_table() -> str:
+    lines = [
+        "| layout | GPUs x 80 GB | bytes/parameter at the peak | largest model |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['layout']} | {r['gpus']} | {r['bytes_per_param']:.2f} | {r['max_params_B']:.1f} B |"
+        for r in memory_rows()
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print rows and constants as JSON")
@@ -430,6 +465,11 @@ def main() -> None:
     else:
         print(table(rs))
         print()
+        print(memory_table())
+        print(
+            "(shard_optimizer moves the bytes of one allreduce per step, a reduce-scatter and an all-gather: "
+            "its communication time is the NCCL rows' above)\n"
+        )
         for w in WORKLOADS:
             print(
                 f"- {w.name}: compute {w.compute_s * 1e3:.0f} ms/step, "

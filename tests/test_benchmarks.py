@@ -299,3 +299,14 @@ def test_suite_cpu_quick():
     probe = re.search(r"^probe\s+\|\s+1 \|\s+([0-9.]+) \|", proc.stdout, re.M)  # the command, and nothing else
     assert probe and float(probe.group(1)) > 0.2, proc.stdout
     assert re.search(r"^probe\s+1 x python \(other\): \d+$", proc.stdout, re.M), proc.stdout
+
+
+def test_shard_quick():
+    """benchmarks/shard.py --quick: sharded and unsharded side by side at 1 and 2 ranks; at 2 ranks each rank's
+    optimizer state is half the unsharded one (the table's ratio column)."""
+    proc = _quick("shard.py", 240)
+    ratios = {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(r"^\| (\d) \|[^|]+\|[^|]+\| ([0-9.]+) \|", proc.stdout, re.M)
+    }
+    assert ratios == {1: 1.0, 2: 0.5}, proc.stdout
