@@ -50,7 +50,7 @@ class Rank(comm.Member):
         comm = self.comm
         sync = None if comm.size == 1 else comm if shard else comm.allreduce_
         opt = optim.adamw(1e-4)
-        step = make_train_step(model, F.mse_loss, opt, grad_sync=sync, shard_optimizer=shard, donate=not shard)
+        step = make_train_step(model, F.mse_loss, opt, grad_sync=sync, shard_optimizer=shard, donate=True)  # as fit
         if shard:
             from raympi.core.shard import shard_state
 

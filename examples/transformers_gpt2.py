@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> raympi.Result:
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--checkpoint-dir", default="runs/gpt2")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end only)"
+    )
+    parser.add_argument(
+        "--shard-optimizer", action="store_true", help="each worker keeps only its slice of the optimizer state"
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> raympi.Result:
         precision=args.precision,
         accumulate=args.accumulate,
         checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        shard_optimizer=args.shard_optimizer,
     )
     first, last = result.metrics[0], result.metrics[-1]
     print(

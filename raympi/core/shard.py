@@ -222,7 +222,10 @@ def shard_state(
 
 
 def join_states(parts: Sequence[TrainState]) -> TrainState:
-    """The whole state from every rank's sharded state, in rank order (rank 0's parameters and buffers)."""
+    """The whole state from every rank's sharded state, in rank order (rank 0's parameters and buffers); a
+    state that is whole already (a world of one keeps it so) is returned as it is."""
+    if not isinstance(parts[0].opt_state, ShardedState):
+        return parts[0]
     layout = ShardLayout.of(parts[0].params, len(parts))
     return parts[0].replace(opt_state=gather_opt_state([p.opt_state for p in parts], layout))
 
@@ -285,8 +288,8 @@ def reduce_gradients(
 ) -> dict[str, torch.Tensor]:
     """This rank's pieces of the gradients summed over the ranks (a reduce-scatter)."""
     rank = 0 if sync is None else sync.rank
-    if sync is None:
-        return {n: t.clone() for n, t in _cut(grads, layout, rank).items()}
+    if sync is None:  # one rank: its sums are its own gradients (new tensors of the step's)
+        return _cut(grads, layout, rank)
     g = list(grads.values())
     flat = _flat(g, layout, buffers.grad_buffer(layout, g[0]) if buffers is not None else None)
     chunk = sync.reduce_scatter(flat, layout.counts())

@@ -109,7 +109,7 @@ class Worker(comm.Member):
         self.loss_fn = spec.loss_fn
         self.optimizer = spec.optimizer
         self.step_options = spec.step_options
-        self.sharded = bool(spec.step_options.get("shard_optimizer"))  # this rank keeps its slice of the optimizer
+        self.sharded = False  # shard_optimizer over a group of several ranks: set with the communicator (_build_steps)
         self.transport = (spec.grad_transport, spec.fp32_reduce, spec.transport_timeout_s)
         self.grad_sync: Any = None  # the step's cross-rank sum, rebuilt for every new communicator
         self.progress = 0  # steps and evaluation batches done: what ping reports, so slow is told from hung
@@ -199,6 +199,8 @@ class Worker(comm.Member):
         self.comm.mpi.Set_errhandler(library.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
         options = dict(self.step_options)
         overlap = bool(options.pop("overlap", False))  # gradient buckets summed while backward runs
+        # A world of one has nothing to shard: its state stays whole (no slice buffers, no copies).
+        self.sharded = options["shard_optimizer"] = bool(options.get("shard_optimizer")) and self.comm.size > 1
         self._close_grad_sync()
         self.grad_sync = self._grad_sync(overlap)
         self.train_step = make_train_step(
