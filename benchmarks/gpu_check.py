@@ -22,6 +22,10 @@ stage writes its rows as it goes, so a stopped one still reports what it finishe
             group as ``grad_sync`` (tree path) and as ``BucketSync`` (overlap), float32 and bfloat16
             parameters (bf16 summed in bf16, and with ``fp32_reduce``), against no sync: parameters
             equal bit for bit, ms/step of each.  (``--cpu``: the same on gloo.)
+  shard     ``shard_optimizer=True`` (AdamW with a mask, clipped): ``make_train_step`` over a NCCL process group
+            at world size 1 (its reduce-scatter and all-gather) against the unsharded step with no sync;
+            ``raympi.fit`` with two workers sharing GPU 0 over mpi and over gloo against unsharded CPU
+            workers (rtol 1e-4, atol 1e-5).  (``--cpu``: gloo for NCCL.)
   resnet    (a) ResNet-18 (torchvision, 10 classes) on synthetic 3x64x64 images (32x32 with --cpu),
             bf16, SGD, 100 steps: ``raympi.fit`` with one worker per GPU, two workers sharing GPU 0 over mpi
             and over gloo (overlap on), and a plain single-GPU torch loop on the same batches
@@ -83,8 +87,8 @@ from _common import OMP1, pickle_by_value, start_local_ray  # noqa: E402
 # for the machine's start.  --cpu (tests, 2 cores beside other jobs) has room to spare: it proves the paths.
 BUDGET_S = {"gpu": 225, "cpu": 600}
 LIMITS_S = {
-    "gpu": {"env": 20, "parity": 55, "nccl1": 30, "resnet": 60, "sync": 50},
-    "cpu": {"env": 60, "parity": 150, "nccl1": 90, "resnet": 150, "sync": 120},
+    "gpu": {"env": 20, "parity": 55, "nccl1": 30, "shard": 30, "resnet": 45, "sync": 40},
+    "cpu": {"env": 60, "parity": 150, "nccl1": 90, "shard": 120, "resnet": 150, "sync": 120},
 }
 MIN_STAGE_S = 10  # a stage that cannot get this much of the budget is skipped
 KILL_GRACE_S = 3  # SIGTERM, then SIGKILL this much later
@@ -237,6 +241,33 @@ def stage_parity(cfg: _Stage) -> dict[str, Any]:
 class Rank(comm.Member):
     """One rank of the direct measurements (no fit): a world-of-one NCCL step, and gradient syncs."""
 
+    def sharded_world_of_one(self, gpu: bool) -> dict[str, Any]:
+        """shard_optimizer over a NCCL process group of one rank (gloo with --cpu), against the unsharded step."""
+        from raympi.comm import process_group
+        from raympi.core.state import TrainState
+        from raympi.core.step import make_train_step
+
+        torch.set_num_threads(1)
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        backend = "nccl" if gpu else "gloo"
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 512, generator=g).to(device), torch.randint(0, 10, (64,), generator=g).to(device)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
+        sync = process_group.connect(self.comm, backend, "127.0.0.1", 60)
+        out = {}
+        for name, grad_sync, shard in (("unsharded", None, False), ("sharded", sync, True)):
+            step = make_train_step(model, F.cross_entropy, _shard_opt(), grad_sync=grad_sync, shard_optimizer=shard)
+            state = TrainState.create(model, _shard_opt())
+            for _ in range(6):
+                state, _ = step(state, (x, y))
+            out[name] = state
+        sync.close()
+        diff = max(
+            (out["sharded"].params[k] - out["unsharded"].params[k]).abs().max().item() for k in out["sharded"].params
+        )
+        return {"case": f"make_train_step, {backend} world 1, sharded", "max_abs_diff": diff, "match": diff <= 1e-6}
+
     def nccl_world_of_one(self, gpu: bool) -> dict[str, Any]:
         """(b) the NCCL transport at world size 1 through the whole bucket path, against no sync at all."""
         from raympi.comm import process_group
@@ -349,6 +380,41 @@ def _ranks(n: int, gpu_share: float) -> list[Any]:
     """``n`` ranks, each with fit's one-host MPI environment and raympi's NCCL error handling (as fit's workers)."""
     env = {**NCCL_ENV, **MPIConfig().environment(multi_host=False)}
     return [Rank.options(num_cpus=1, num_gpus=gpu_share, runtime_env={"env_vars": env}).remote() for _ in range(n)]
+
+
+def _shard_opt() -> Any:
+    decay = lambda p: {n: t.ndim >= 2 for n, t in p.items()}  # noqa: E731
+    return raympi.optim.chain(raympi.optim.clip_by_global_norm(1.0), raympi.optim.adamw(1e-3, mask=decay))
+
+
+def stage_shard(cfg: _Stage) -> dict[str, Any]:
+    """shard_optimizer: NCCL at world 1 (direct), then fit with two workers sharing GPU 0 over mpi and gloo."""
+    rows: list[dict[str, Any]] = []
+    ranks = _ranks(1, 1 if cfg.gpu else 0)
+    try:
+        comm.form(ranks, timeout_s=min(60, cfg.left()))
+        rows.append(ray.get(ranks[0].sharded_world_of_one.remote(cfg.gpu), timeout=cfg.left()))
+    finally:
+        ray.kill(ranks[0])
+    cfg.partial({"rows": rows})
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(96, 32, generator=g), torch.randint(0, 10, (96,), generator=g))
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    opts = dict(batch_size=24, epochs=1, max_steps=4, optimizer=_shard_opt(), torch_threads=1)
+    ref = _fit(mlp(), data, False, 2, False, grad_transport="mpi", **opts)
+    for transport in ("mpi", "gloo"):
+        run = _fit(mlp(), data, cfg.gpu, 2, True, grad_transport=transport, shard_optimizer=True, **opts)
+        diff = max((run.state.params[k] - ref.state.params[k]).abs().max().item() for k in ref.state.params)
+        ok = all(
+            torch.allclose(run.state.params[k], ref.state.params[k], rtol=1e-4, atol=1e-5) for k in ref.state.params
+        )
+        rows.append({"case": f"fit, 2 workers on one GPU, {transport}, sharded", "max_abs_diff": diff, "match": ok})
+        cfg.partial({"rows": rows})
+    return {"rows": rows, "all_match": all(r["match"] for r in rows)}
 
 
 def stage_nccl1(cfg: _Stage) -> dict[str, Any]:
@@ -552,6 +618,7 @@ STAGES = {
     "env": stage_env,
     "parity": stage_parity,
     "nccl1": stage_nccl1,
+    "shard": stage_shard,
     "resnet": stage_resnet,
     "sync": stage_sync,
 }
