@@ -413,10 +413,10 @@ def measure_sum(mb: int = 64, reps: int = 20) -> float:
 # raympi trains): P parameters, G gradients, S the optimizer state (Adam's two moments), N ranks.
 MEMORY_MODELS = {
     "unsharded": lambda n: 4 + 4 + 8,  # P + G + S; the step donates: no second copy
-    "shard_optimizer, as built": lambda n: 4 + 4 + 4 + 8 / n + 4 / n,
-    # peak: P + G + the flat buffer the reduce-scatter sums (then G goes; the all-gather fills a new P), plus
-    # S / N and this rank's summed slice of G
-    "shard_optimizer + overlap (gradients shed per bucket)": lambda n: 4 + 4 + 12 / n,
+    "shard_optimizer, as built": lambda n: 4 + 4 + 4 + 8 / n + 8 / n + 4 / n,
+    # peak, as the gradients are packed: P + the free flat buffer (the reduce-scatter's, then the new P's) + G,
+    # plus S / N, the slice of the state before last (the step writes into it) and the summed gradient chunk
+    "shard_optimizer + overlap (gradients shed per bucket)": lambda n: 4 + 4 + 20 / n,
     # P + the new P of the all-gather; no whole G ever (the buckets are reduce-scattered as backward makes them)
 }
 ACTIVATION_SHARE = 0.25  # of the GPU's memory kept for activations, NCCL's buffers and the allocator's slack

@@ -235,40 +235,46 @@ class ShardBuffers:
     (``make_train_step(donate=True)``, as the workers do): no fresh allocation per step (on the CPU,
     page faults), while nothing the current state holds is written before the step commits.
 
-    Holds the flat gradient buffer, and the flat parameter buffer and optimizer state of the step
-    before last (its output, which the caller has dropped): the next step copies the current
-    optimizer state into them and updates them in place.
+    Two flat buffers of the parameters' size take turns: the current parameters are views of one; the
+    step packs the gradients into the other (``free``), reduce-scatters them there, writes its new chunk
+    there and all-gathers the new parameters into it.  Once it commits, the input state's buffer is the
+    free one (the caller dropped that state).  The optimizer slice likewise: the step copies the current
+    one into the slice of the state before last and updates that in place.
     """
 
     def __init__(self) -> None:
-        self.grads: Optional[torch.Tensor] = None
+        self.free: Optional[torch.Tensor] = None  # a flat buffer nothing live holds
         self.last: Optional[tuple[torch.Tensor, list[Any]]] = None  # the last output: (flat params, state leaves)
-        self.spare: Optional[tuple[torch.Tensor, list[Any]]] = None  # the one before: free to write
-        self.input_was_last = False
+        self.spare_state: Optional[list[Any]] = None  # the state before last's slice: free to write
+        self.grad_chunk: Optional[torch.Tensor] = None  # the summed gradient chunk, out of ``free``'s way
 
-    def grad_buffer(self, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
-        size, buf = layout.chunk * layout.world, self.grads
+    def flat(self, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
+        """The free flat buffer (made where there is none of this size)."""
+        size, buf = layout.chunk * layout.world, self.free
         if buf is None or buf.numel() != size or buf.dtype != like.dtype or buf.device != like.device:
-            self.grads = buf = torch.zeros(size, dtype=like.dtype, device=like.device)
+            self.free = buf = torch.zeros(size, dtype=like.dtype, device=like.device)
         return buf
 
-    def spare_for(self, params: dict[str, torch.Tensor], inner: Any) -> Optional[tuple[torch.Tensor, list[Any]]]:
-        """The buffers to write this step into: the spare ones, when ``params`` and ``inner`` are the last output."""
-        last, first, leaves = self.last, next(iter(params.values())), pytree.leaves(inner)
-        self.input_was_last = (
-            last is not None
-            and first.data_ptr() == last[0].data_ptr()
-            and len(leaves) == len(last[1])
-            and all(a is b for a, b in zip(leaves, last[1]))
-        )
-        if not self.input_was_last:
-            self.spare = None  # another state than the last output: nothing is known to be free
-        return self.spare
+    def chunk_copy(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The gradient pieces joined into a buffer of their own (they may lie where the new parameters go)."""
+        size, like, buf = sum(p.numel() for p in pieces.values()), next(iter(pieces.values())), self.grad_chunk
+        if buf is None or buf.numel() != size or buf.dtype != like.dtype or buf.device != like.device:
+            self.grad_chunk = buf = torch.empty(size, dtype=like.dtype, device=like.device)
+        return _joined(pieces, buf)
 
-    def committed(self, flat: torch.Tensor, inner: Any) -> None:
-        """The step wrote ``flat`` and ``inner``: the input state's buffers, when it was the last output, become
-        the spare (the caller donated it)."""
-        self.spare = self.last if self.input_was_last else None
+    def input_is_last(self, params: dict[str, torch.Tensor], inner: Any) -> bool:
+        """Whether ``params`` and ``inner`` are the last output (then the caller donated them to this step)."""
+        last, leaves = self.last, pytree.leaves(inner)
+        return (
+            last is not None
+            and next(iter(params.values())).data_ptr() == last[0].data_ptr()
+            and len(leaves) == len(last[1])
+            and all(x is y for x, y in zip(leaves, last[1]))
+        )
+
+    def committed(self, flat: torch.Tensor, inner: Any, donated: Optional[tuple[torch.Tensor, list[Any]]]) -> None:
+        """The step's output lives in ``flat`` and ``inner``; ``donated``: the input's buffers, now free."""
+        self.free, self.spare_state = (donated[0], donated[1]) if donated is not None else (None, None)
         self.last = (flat, pytree.leaves(inner))
 
 
@@ -291,7 +297,7 @@ def reduce_gradients(
     if sync is None:  # one rank: its sums are its own gradients (new tensors of the step's)
         return _cut(grads, layout, rank)
     g = list(grads.values())
-    flat = _flat(g, layout, buffers.grad_buffer(layout, g[0]) if buffers is not None else None)
+    flat = _flat(g, layout, buffers.flat(layout, g[0]) if buffers is not None else None)
     chunk = sync.reduce_scatter(flat, layout.counts())
     lo, _ = layout.bounds(rank)
     offset, out = 0, {}
@@ -338,29 +344,42 @@ def apply_sharded(
             f"of {world}: gather it first (raympi.core.shard.gather_opt_state) and split it for this world"
         )
     view = _full_view(params, _alone if sync is None else sync.sum_)
-    spare = buffers.spare_for(params, opt_state.inner_state) if buffers is not None else None
-    if spare is None:
+    if buffers is None:
         with sharded(view):
             new_pieces, inner = apply_gradients(optimizer, grads, opt_state.inner_state, _cut(params, layout, rank))
-        out = gather_params(new_pieces, layout, sync)
-    else:  # the spare buffers take a copy of the current slice and state, then the step in place
-        flat, state_leaves = spare
-        lo, hi = layout.bounds(rank)
-        flat[lo:hi].copy_(_flat_of(params)[lo:hi])
-        torch._foreach_copy_(state_leaves, pytree.leaves(opt_state.inner_state))
-        spec = pytree.flatten(opt_state.inner_state)[1]
-        pieces = _cut(_views(flat, layout), layout, rank)
-        with sharded(view):
-            new_pieces, inner = apply_gradients(
-                optimizer, grads, pytree.unflatten(state_leaves, spec), pieces, donate=True
-            )
-        for name, piece in pieces.items():  # a transformation may hand back new tensors instead of writing in place
-            if new_pieces[name].data_ptr() != piece.data_ptr():
-                piece.copy_(new_pieces[name])
-        out = gather_params(pieces, layout, sync, into=flat)
-    if buffers is not None:
-        buffers.committed(_flat_of(out), inner)
+        return gather_params(new_pieces, layout, sync), ShardedState(inner, opt_state.rank, opt_state.world)
+    donated = buffers.input_is_last(params, opt_state.inner_state)
+    grads = _cut_like(grads, buffers.chunk_copy(grads))
+    flat = buffers.flat(layout, next(iter(params.values())))
+    lo, hi = layout.bounds(rank)
+    _joined(_cut(params, layout, rank), flat[lo:hi])
+    pieces = _cut(_views(flat, layout), layout, rank)
+    state = opt_state.inner_state
+    if donated and buffers.spare_state is not None:  # the state before last's slice takes the current one
+        torch._foreach_copy_(buffers.spare_state, pytree.leaves(state))
+        state = pytree.unflatten(buffers.spare_state, pytree.flatten(state)[1])
+    with sharded(view):
+        new_pieces, inner = apply_gradients(optimizer, grads, state, pieces, donate=state is not opt_state.inner_state)
+    for name, piece in pieces.items():  # a transformation may hand back new tensors instead of writing in place
+        if new_pieces[name].data_ptr() != piece.data_ptr():
+            piece.copy_(new_pieces[name])
+    out = gather_params(pieces, layout, sync, into=flat)
+    buffers.committed(flat, inner, (_flat_of(params), pytree.leaves(opt_state.inner_state)) if donated else None)
     return out, ShardedState(inner, opt_state.rank, opt_state.world)
+
+
+def _joined(pieces: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """The pieces one after another, flat, written into ``out`` (one rank's chunk)."""
+    return torch.cat([p.reshape(-1) for p in pieces.values()], out=out)
+
+
+def _cut_like(pieces: dict[str, torch.Tensor], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of ``flat`` shaped like ``pieces`` (laid one after another)."""
+    out, offset = {}, 0
+    for name, p in pieces.items():
+        out[name] = flat[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    return out
 
 
 def _views(flat: torch.Tensor, layout: ShardLayout) -> dict[str, torch.Tensor]:
