@@ -4,7 +4,6 @@ unsharded step on the whole batch; the layout, the state's split and gather (res
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, Callable, Sequence
 
 import pytest
@@ -25,85 +24,14 @@ from raympi.core.shard import (
 from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 from raympi.exceptions import ConfigError
+from test_step import _RankSync, _run_ranks, _ThreadAllreduce
 
 torch.set_num_threads(1)
 
 
-class ThreadGroup:
-    """``size`` ranks in one process (one thread each): the three collectives of a ShardSync, done through
-    shared slots and a barrier; a sum over the ranks adds in rank order, as a deterministic reduction would."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.slots: list[Any] = [None] * size
-        self.barrier = threading.Barrier(size)
-
-    def member(self, rank: int) -> "Member":
-        return Member(self, rank)
-
-
-class Member:
-    def __init__(self, group: ThreadGroup, rank: int) -> None:
-        self.group, self.rank, self.size = group, rank, group.size
-        self.calls: list[str] = []
-
-    def _exchange(self, value: torch.Tensor) -> list[torch.Tensor]:
-        g = self.group
-        g.slots[self.rank] = value.clone()
-        g.barrier.wait()
-        out = list(g.slots)
-        g.barrier.wait()
-        return out
-
-    def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        self.calls.append("reduce_scatter")
-        parts = self._exchange(flat)
-        summed = parts[0].clone()
-        for p in parts[1:]:
-            summed += p
-        chunk = max(counts)
-        return summed[self.rank * chunk : self.rank * chunk + counts[self.rank]].clone()
-
-    def all_gather_(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        self.calls.append("all_gather")
-        parts = self._exchange(flat)
-        chunk = max(counts)
-        for r, part in enumerate(parts):
-            flat[r * chunk : r * chunk + counts[r]] = part[r * chunk : r * chunk + counts[r]]
-        return flat
-
-    def __call__(self, tree: Any) -> None:
-        """The unsharded ``grad_sync``: every leaf summed in place."""
-        for leaf in pytree.leaves(tree):
-            self.sum_(leaf)
-
-    def sum_(self, value: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(value)
-        value.copy_(sum(parts[1:], parts[0].clone()))
-        return value
-
-
-def run_ranks(size: int, fn: Callable[[Member], Any]) -> list[Any]:
-    """``fn(member)`` on ``size`` threads; their results in rank order (an exception in one is raised)."""
-    group = ThreadGroup(size)
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(group.member(rank))
-        except BaseException as exc:  # noqa: BLE001  (re-raised below)
-            errors.append(exc)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return results
+def run_ranks(size: int, fn: Callable[[_RankSync], Any]) -> list[Any]:
+    """``fn(sync)`` on ``size`` threads, each rank's in-process ShardSync; their results in rank order."""
+    return _run_ranks(size, lambda rank, sync: fn(sync))
 
 
 # --------------------------------------------------------------------------- the model and the runs
@@ -169,7 +97,7 @@ def _reference(opt_fn: Callable[[], Any], steps: int, **options: Any) -> TrainSt
 def _sharded(opt_fn: Callable[[], Any], size: int, steps: int, shard: bool = True, **options: Any) -> list[TrainState]:
     models = [TwoInputs() for _ in range(size)]  # here: torch.manual_seed is process-wide, not per thread
 
-    def rank_run(member: Member) -> TrainState:
+    def rank_run(member: _RankSync) -> TrainState:
         model = models[member.rank]
         sync = member if size > 1 else None
         step = make_train_step(model, F.mse_loss, opt_fn(), grad_sync=sync, shard_optimizer=shard, **options)
@@ -226,7 +154,7 @@ def test_fp16_overflow_skips_on_every_rank() -> None:
 
     models = [TwoInputs() for _ in range(3)]
 
-    def rank_run(member: Member) -> tuple[TrainState, dict[str, Any], TrainState]:
+    def rank_run(member: _RankSync) -> tuple[TrainState, dict[str, Any], TrainState]:
         model = models[member.rank]
         step = make_train_step(
             model,
@@ -252,7 +180,7 @@ def test_apply_if_finite_agrees_when_one_slice_is_not_finite() -> None:
     opt = optim.apply_if_finite(optim.sgd(0.1), max_consecutive_errors=3)
     layout = ShardLayout.of(params, 3)  # chunks of 4: rank 1 holds w[4:6] and b[0:2]
 
-    def rank_run(member: Member) -> tuple[dict[str, torch.Tensor], Any]:
+    def rank_run(member: _RankSync) -> tuple[dict[str, torch.Tensor], Any]:
         state = init_opt_state(opt, params, layout, member.rank)
         grads = {n: torch.ones(b - a) for n, (a, b) in layout.pieces(member.rank).items()}
         if member.rank == 1:
@@ -295,7 +223,7 @@ def test_a_step_abandoned_in_the_all_gather_leaves_the_donated_state_whole() -> 
     step run again gives what an uninterrupted run gives."""
     from raympi.exceptions import CollectiveAborted
 
-    class Flaky(Member):
+    class Flaky(_RankSync):
         fail_at: set[int] = {3, 4}
         gathers = 0
 
@@ -307,7 +235,7 @@ def test_a_step_abandoned_in_the_all_gather_leaves_the_donated_state_whole() -> 
             return super().all_gather_(flat, counts)
 
     model, opt = TwoInputs(), OPTIMIZERS["adamw+mask"]
-    flaky = Flaky(ThreadGroup(1), 0)
+    flaky = Flaky(_ThreadAllreduce(1), 0)
     step = make_train_step(model, F.mse_loss, opt(), grad_sync=flaky, shard_optimizer=True, donate=True)
     state = TrainState.create(model, opt())
     i = 0
@@ -386,7 +314,12 @@ def test_refusals_name_the_reason() -> None:
         )
     with pytest.raises(ConfigError, match="overlap"):
         make_train_step(
-            model, F.mse_loss, optim.sgd(0.1), grad_sync=ThreadGroup(2).member(0), overlap=True, shard_optimizer=True
+            model,
+            F.mse_loss,
+            optim.sgd(0.1),
+            grad_sync=_ThreadAllreduce(2).for_rank(0),
+            overlap=True,
+            shard_optimizer=True,
         )
     with pytest.raises(ConfigError, match="reduce_scatter"):
         make_train_step(model, F.mse_loss, optim.sgd(0.1), grad_sync=lambda tree: None, shard_optimizer=True)

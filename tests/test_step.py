@@ -93,23 +93,51 @@ def test_matches_plain_pytorch_loop(ours, theirs):
 
 
 class _ThreadAllreduce:
-    """In-process stand-in for MPI Allreduce(SUM): one thread per simulated rank."""
+    """In-process stand-in for MPI Allreduce(SUM) (and the collectives of a sharded step): one thread per
+    simulated rank."""
 
     def __init__(self, world: int):
+        self.world = world
         self.barrier = threading.Barrier(world)
         self.slots: list = [None] * world
 
-    def for_rank(self, rank: int):
-        def grad_sync(tree):
-            leaves, spec = pytree.flatten(tree)
-            self.slots[rank] = leaves
-            self.barrier.wait()
-            # Every rank sums in rank order, so all ranks get bit-identical results.
-            summed = [sum(parts[1:], parts[0]) for parts in zip(*self.slots)]
-            self.barrier.wait()  # nobody overwrites a slot before all have read
-            return pytree.unflatten(summed, spec)
+    def for_rank(self, rank: int) -> "_RankSync":
+        return _RankSync(self, rank)
 
-        return grad_sync
+
+class _RankSync:
+    """One rank's ``grad_sync``: called with a tree it returns the sums (every rank adds in rank order, so all
+    get bit-identical results); ``reduce_scatter``, ``all_gather_`` and ``sum_`` make it a ShardSync."""
+
+    def __init__(self, group: _ThreadAllreduce, rank: int):
+        self.group, self.rank, self.size = group, rank, group.world
+
+    def _exchange(self, value):
+        g = self.group
+        g.slots[self.rank] = value
+        g.barrier.wait()
+        out = list(g.slots)
+        g.barrier.wait()  # nobody overwrites a slot before all have read
+        return out
+
+    def __call__(self, tree):
+        leaves, spec = pytree.flatten(tree)
+        return pytree.unflatten([sum(parts[1:], parts[0]) for parts in zip(*self._exchange(leaves))], spec)
+
+    def reduce_scatter(self, flat, counts):
+        parts = self._exchange(flat.clone())
+        chunk = max(counts)
+        return sum(parts[1:], parts[0])[self.rank * chunk : self.rank * chunk + counts[self.rank]].clone()
+
+    def all_gather_(self, flat, counts):
+        parts, chunk = self._exchange(flat.clone()), max(counts)
+        for r, part in enumerate(parts):
+            flat[r * chunk : r * chunk + counts[r]] = part[r * chunk : r * chunk + counts[r]]
+        return flat
+
+    def sum_(self, value):
+        parts = self._exchange(value.clone())
+        return value.copy_(sum(parts[1:], parts[0]))
 
 
 def _run_ranks(world: int, rank_main):
