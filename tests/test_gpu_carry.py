@@ -263,10 +263,10 @@ def test_gpu_run_on_a_simulated_image(tmp_path: Path) -> None:
     assert report.exists(), f"no {report.name} (rc {proc.returncode}):\n{log[-6000:]}"
     stages = json.loads(report.read_text())["stages"]
     assert {k: v["status"] for k, v in stages.items()} == dict.fromkeys(
-        ("env", "parity", "nccl1", "resnet", "sync"), "ok"
+        ("env", "parity", "nccl1", "shard", "resnet", "sync"), "ok"
     ), log[-6000:]
     assert proc.returncode == 0, log[-6000:]
-    assert stages["parity"]["result"]["all_match"] and stages["nccl1"]["result"]["all_match"], log[-6000:]
+    assert all(stages[s]["result"]["all_match"] for s in ("parity", "nccl1", "shard")), log[-6000:]
 
     after = _probe(python3, env)
     assert after["ray"].startswith(site) and after["pydantic"].startswith(site), after
