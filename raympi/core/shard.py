@@ -46,6 +46,8 @@ __all__ = [
     "gather_params",
     "shard_state",
     "join_states",
+    "ShardBuffers",
+    "check_shardable",
 ]
 
 
