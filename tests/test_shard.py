@@ -18,7 +18,15 @@ from raympi.core.shard import (
     apply_sharded,
     gather_opt_state,
     gather_params,
+    Held,
+    SliceLost,
+    buddy_distance,
     init_opt_state,
+    plan_reshard,
+    reshard_messages,
+    reshard_receive,
+    reshard_skeleton,
+    shard_state,
     split_opt_state,
 )
 from raympi.core.state import TrainState
@@ -94,7 +102,18 @@ def _reference(opt_fn: Callable[[], Any], steps: int, **options: Any) -> TrainSt
     return state
 
 
-def _sharded(opt_fn: Callable[[], Any], size: int, steps: int, shard: bool = True, **options: Any) -> list[TrainState]:
+def _sharded(
+    opt_fn: Callable[[], Any],
+    size: int,
+    steps: int,
+    shard: bool = True,
+    buddy: int | None = None,
+    first: int = 0,
+    start: list[TrainState] | None = None,
+    **options: Any,
+) -> list[TrainState]:
+    """``steps`` steps from step ``first`` on ``size`` threads: from each rank's ``start`` state, else from a
+    new one (sharded with a ``buddy`` copy at that distance where given)."""
     models = [TwoInputs() for _ in range(size)]  # here: torch.manual_seed is process-wide, not per thread
 
     def rank_run(member: _RankSync) -> TrainState:
@@ -102,7 +121,11 @@ def _sharded(opt_fn: Callable[[], Any], size: int, steps: int, shard: bool = Tru
         sync = member if size > 1 else None
         step = make_train_step(model, F.mse_loss, opt_fn(), grad_sync=sync, shard_optimizer=shard, **options)
         state = TrainState.create(model, opt_fn(), loss_scaling=options.get("loss_scaling"))
-        for i in range(steps):
+        if buddy is not None:
+            state = shard_state(state, member.rank, size, opt_fn(), buddy=buddy)
+        if start is not None:
+            state = start[member.rank]
+        for i in range(first, first + steps):
             state, metrics = step(state, _local(_batch(i), member.rank, size), len(_batch(i)[1]))
         return state
 
@@ -327,3 +350,97 @@ def test_refusals_name_the_reason() -> None:
     mixed.head.to(torch.float64)
     with pytest.raises(ConfigError, match="one dtype"):
         make_train_step(mixed, F.mse_loss, optim.sgd(0.1), shard_optimizer=True)
+
+
+# --------------------------------------------------------------------------- buddy copies and resharding survivors
+
+
+def _equal_trees(a: Any, b: Any) -> bool:
+    la, sa = pytree.flatten(a)
+    lb, sb = pytree.flatten(b)
+    return sa == sb and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_buddy_copies_equal_their_owners_bit_for_bit(name: str, size: int, donate: bool) -> None:
+    """Each rank's copy of another's slice is updated from the same sums (the global norm and the
+    finiteness verdict replayed): it equals the owner's own, and the parameters the unsharded run's."""
+    ref = _reference(OPTIMIZERS[name], 4)
+    states = _sharded(OPTIMIZERS[name], size, 4, buddy=size - 1, donate=donate)
+    for rank, s in enumerate(states):
+        assert _max_diff(s.params, ref.params) <= 1e-5
+        owner = s.opt_state.copy_rank
+        assert owner == (rank + size - 1) % size
+        assert _equal_trees(s.opt_state.copy, states[owner].opt_state.inner_state)
+
+
+def test_buddy_copies_under_fp16_and_accumulation() -> None:
+    options = dict(precision="fp16", loss_scaling=LossScaling(init_scale=2.0**8), accumulate=2)
+    refs = _sharded(OPTIMIZERS["adamw+mask"], 3, 3, shard=False, **options)
+    states = _sharded(OPTIMIZERS["adamw+mask"], 3, 3, buddy=1, **options)
+    for rank, (s, ref) in enumerate(zip(states, refs)):
+        assert _max_diff(s.params, ref.params) <= 1e-5
+        assert _equal_trees(s.opt_state.copy, states[(rank + 1) % 3].opt_state.inner_state)
+
+
+def test_buddy_distance_puts_copies_on_other_nodes() -> None:
+    assert buddy_distance(["a", "a", "b", "b"]) == 2
+    assert buddy_distance(["a", "b", "a", "b"]) == 1
+    assert buddy_distance(["a", "a", "a", "b", "b", "b"]) == 3
+    assert buddy_distance(["a", "a", "a"]) == 1  # one node: any distance, the smallest
+    assert buddy_distance(["a"]) == 1
+
+
+def _survivors_to(states: list[TrainState], kept: list[int], newcomers: int, buddy: int | None) -> list[Any]:
+    """Re-shard the optimizer states of the ranks ``kept`` (in that order) plus ``newcomers`` members with
+    no state, as the workers do: a plan, every member's parts, every member's receipt."""
+    members: list[TrainState | None] = [states[k] for k in kept] + [None] * newcomers
+    world = len(members)
+    plan = plan_reshard([Held.of(m) for m in members])
+    params = states[0].params
+    parts = [
+        reshard_messages(m.opt_state, params, plan, j, world, buddy) if m is not None else [[]] * world
+        for j, m in enumerate(members)
+    ]
+    skeleton = reshard_skeleton(states[kept[0]].opt_state, params)
+    return [reshard_receive([p[j] for p in parts], skeleton, params, j, world, buddy) for j in range(world)]
+
+
+@pytest.mark.parametrize(
+    "size,kept,newcomers",
+    [(3, [0, 2], 1), (3, [0, 2], 0), (4, [1, 2, 3], 0), (4, [0, 1, 3], 2), (2, [1], 0), (2, [0], 1), (3, [1, 2], 0)],
+)
+def test_survivors_reshard_to_the_new_world_exactly(size: int, kept: list[int], newcomers: int) -> None:
+    """After a rank is lost, the survivors' slices and copies make the new world's slices (and copies), bit
+    for bit what splitting the whole state gives; and training on from them equals the uninterrupted run."""
+    opt = OPTIMIZERS["clip+sgd momentum"]
+    states = _sharded(opt, size, 3, buddy=1, donate=True)
+    whole = gather_opt_state([s.opt_state for s in states], ShardLayout.of(states[0].params, size))
+    world = len(kept) + newcomers
+    new_buddy = 1 if world > 1 else None
+    got = _survivors_to(states, kept, newcomers, new_buddy)
+    layout = ShardLayout.of(states[0].params, world)
+    for j, opt_state in enumerate(got):
+        want = whole if world == 1 else split_opt_state(whole, layout, j, new_buddy)
+        assert _equal_trees(opt_state, want)
+    if world > 1:  # two more steps in the new world, against six uninterrupted ones
+        resumed = _sharded(opt, world, 3, first=3, start=[states[0].replace(opt_state=o) for o in got])
+        ref = _reference(opt, 6)
+        for s in resumed:
+            assert _max_diff(s.params, ref.params) <= 1e-5
+
+
+def test_losing_both_copies_of_a_slice_is_named() -> None:
+    states = _sharded(OPTIMIZERS["clip+sgd momentum"], 3, 1, buddy=1)
+    # rank r keeps rank r+1's copy: losing ranks 1 and 2 loses slice 2 (on rank 2, copied on rank 1)
+    with pytest.raises(SliceLost, match=r"slice\(s\) \[2\]"):
+        plan_reshard([Held.of(states[0]), None, None])
+    unbuddied = _sharded(OPTIMIZERS["clip+sgd momentum"], 3, 1)
+    with pytest.raises(SliceLost, match=r"\[1\]"):
+        plan_reshard([Held.of(unbuddied[0]), Held.of(unbuddied[2])])
+    behind = Held.of(states[2])
+    assert behind is not None
+    with pytest.raises(SliceLost, match="steps"):
+        plan_reshard([Held.of(states[0]), Held(behind.rank, behind.world, behind.step - 1, behind.copy_rank)])

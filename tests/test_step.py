@@ -107,7 +107,7 @@ class _ThreadAllreduce:
 
 class _RankSync:
     """One rank's ``grad_sync``: called with a tree it returns the sums (every rank adds in rank order, so all
-    get bit-identical results); ``reduce_scatter``, ``all_gather_`` and ``sum_`` make it a ShardSync."""
+    get bit-identical results); ``reduce_scatter``, ``all_gather_``, ``sum_`` and ``shift_`` make it a ShardSync."""
 
     def __init__(self, group: _ThreadAllreduce, rank: int):
         self.group, self.rank, self.size = group, rank, group.world
@@ -138,6 +138,10 @@ class _RankSync:
     def sum_(self, value):
         parts = self._exchange(value.clone())
         return value.copy_(sum(parts[1:], parts[0]))
+
+    def shift_(self, mine, counts, by):
+        parts = self._exchange(mine.clone())
+        return parts[(self.rank + by) % self.size].clone()
 
 
 def _run_ranks(world: int, rank_main):

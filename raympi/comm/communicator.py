@@ -242,6 +242,23 @@ class Communicator:
         self.allreduce_([value])
         return value
 
+    def shift_(self, mine: Any, counts: Any, by: int) -> Any:
+        """Send the tensor ``mine`` to rank ``rank - by`` and return rank ``rank + by``'s (``counts[rank + by]``
+        elements of ``mine``'s dtype and device; ranks mod ``size``): one ``MPI_Isendrecv``, polled."""
+        import torch
+
+        source, dest = (self.rank + by) % self.size, (self.rank - by) % self.size
+        host = mine.detach().to("cpu").contiguous()
+        out = torch.empty(counts[source], dtype=host.dtype)
+        sixteen = host.dtype in (torch.bfloat16, torch.float16)  # numpy has no bfloat16: the bits travel as int16
+        send, recv = ((t.view(torch.int16) if sixteen else t).numpy() for t in (host, out))
+        try:
+            self.wait(self.mpi.Isendrecv(send, dest, 0, recv, source, 0), recv)
+        except BaseException:
+            keep_alive(send)
+            raise
+        return out.to(mine.device)
+
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """Send ``tree`` (any tree of tensors and picklable leaves) from ``root`` to every rank.
 

@@ -218,6 +218,19 @@ class ProcessGroupSum:
         self({"value": value})
         return value
 
+    def shift_(self, mine: torch.Tensor, counts: Any, by: int) -> torch.Tensor:
+        """Send ``mine`` to rank ``rank - by`` and return rank ``rank + by``'s chunk (ranks mod ``size``): an
+        all-to-all where every other rank's part is empty (one call, so two ranks never wait on each other)."""
+        rank, size = self.comm.rank, self.comm.size
+        source, dest = (rank + by) % size, (rank - by) % size
+        out = torch.empty(counts[source], dtype=mine.dtype, device=mine.device)
+        sends, recvs = [0] * size, [0] * size
+        sends[dest], recvs[source] = mine.numel(), out.numel()
+        mine = mine.contiguous()
+        options = dist.AllToAllOptions()
+        self._collective(lambda: self.pg.alltoall_base(out, mine, recvs, sends, options), out, mine)
+        return out
+
     def _collective(self, launch: Callable[[], Any], buffer: torch.Tensor, *keep: torch.Tensor) -> None:
         """Run one collective whose result lands in ``buffer``, waited on as :meth:`finish` waits for buckets."""
         if self.comm.abort.is_set():

@@ -17,6 +17,14 @@ optimizer's state over this rank's pieces, the same tree structure as an unshard
 pieces in place of per-parameter tensors.  :func:`gather_opt_state` and :func:`split_opt_state` turn
 one into the other, so resharding ``N -> M`` is a pure function of the layout.
 
+A *buddy* copy (``buddy=d``) keeps rank ``r + d``'s slice (mod ``N``) on rank ``r`` as well: 2/N of
+the state instead of 1/N.  :func:`buddy_distance` picks ``d`` so that the copy lies on another node
+where it can.  After the reduce-scatter each rank also receives its buddy's summed chunk
+(:meth:`ShardSync.shift_`) and updates the copy as the buddy updates its own, replaying the cross-rank
+sums of its own update (the global norm, the finiteness verdict): the copy stays bit-identical with no
+more collectives.  Losing any one rank then loses no slice: :func:`plan_reshard`,
+:func:`reshard_messages` and :func:`reshard_receive` move the surviving slices to a new world.
+
 Nothing is written in place before the all-gather is complete: a step abandoned between the two
 collectives leaves the state as it was.
 """
@@ -25,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, cast
 
 import torch
 
@@ -48,6 +56,11 @@ __all__ = [
     "join_states",
     "ShardBuffers",
     "check_shardable",
+    "next_gradients",
+    "SliceLost",
+    "plan_reshard",
+    "reshard_messages",
+    "reshard_receive",
 ]
 
 
@@ -68,6 +81,11 @@ class ShardSync(Protocol):
 
     def sum_(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a small tensor over the ranks, in place; return it."""
+        ...
+
+    def shift_(self, mine: torch.Tensor, counts: Sequence[int], by: int) -> torch.Tensor:
+        """Send this rank's chunk ``mine`` to rank ``rank - by`` and return rank ``rank + by``'s (``counts[rank + by]``
+        elements; ranks mod ``size``)."""
         ...
 
 
@@ -133,17 +151,44 @@ def _alone(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def buddy_distance(nodes: Sequence[Any]) -> int:
+    """The distance ``d`` (1 to ``len(nodes) - 1``) for which the fewest ranks ``r`` share a node with rank
+    ``r + d``: with as many ranks on every node, none does, and a node lost takes no slice with it."""
+    n = len(nodes)
+    return min(range(1, max(2, n)), key=lambda d: sum(nodes[r] == nodes[(r + d) % n] for r in range(n)))
+
+
+def _copy_of(rank: int, world: int, buddy: Optional[int]) -> Optional[int]:
+    """The rank whose slice rank ``rank`` keeps a copy of, ``buddy`` ranks on; ``None`` for none."""
+    return None if buddy is None or world < 2 else (rank + buddy) % world
+
+
+def _sharded_state(inner: Any, rank: int, world: int, copy: Any, owner: Optional[int]) -> ShardedState:
+    return ShardedState(
+        inner, torch.tensor(rank), torch.tensor(world), () if owner is None else (torch.tensor(owner), copy)
+    )
+
+
 def init_opt_state(
-    optimizer: GradientTransformation, params: dict[str, torch.Tensor], layout: ShardLayout, rank: int
+    optimizer: GradientTransformation,
+    params: dict[str, torch.Tensor],
+    layout: ShardLayout,
+    rank: int,
+    buddy: Optional[int] = None,
 ) -> ShardedState:
-    """Rank ``rank``'s :class:`ShardedState`, initialised on its pieces only (no whole state is ever built).
+    """Rank ``rank``'s :class:`ShardedState`, initialised on its pieces only (no whole state is ever built);
+    with ``buddy`` (a distance, see :func:`buddy_distance`), rank ``rank + buddy``'s too.
 
     Raises:
         ConfigError: the optimizer cannot be sharded (``from_torch``).
     """
+    owner = _copy_of(rank, layout.world, buddy)
     with sharded(_full_view(params, _alone)):
-        inner = optimizer.init({n: t.clone() for n, t in _cut(params, layout, rank).items()})
-    return ShardedState(inner, torch.tensor(rank), torch.tensor(layout.world))
+        inner, copy = (
+            None if r is None else optimizer.init({n: t.clone() for n, t in _cut(params, layout, r).items()})
+            for r in (rank, owner)
+        )
+    return _sharded_state(inner, rank, layout.world, copy, owner)
 
 
 def _per_param(keys: tuple[Any, ...], layout: ShardLayout) -> Optional[str]:
@@ -152,8 +197,15 @@ def _per_param(keys: tuple[Any, ...], layout: ShardLayout) -> Optional[str]:
     return next((k for k in reversed(keys) if isinstance(k, str) and k in names), None)
 
 
-def split_opt_state(full: Any, layout: ShardLayout, rank: int) -> ShardedState:
-    """Rank ``rank``'s part of an unsharded optimizer state ``full`` (its per-parameter tensors cut into pieces)."""
+def split_opt_state(full: Any, layout: ShardLayout, rank: int, buddy: Optional[int] = None) -> ShardedState:
+    """Rank ``rank``'s part of an unsharded optimizer state ``full`` (its per-parameter tensors cut into
+    pieces); with ``buddy`` (a distance), a copy of rank ``rank + buddy``'s part too."""
+    owner = _copy_of(rank, layout.world, buddy)
+    copy = None if owner is None else _split(full, layout, owner)
+    return _sharded_state(_split(full, layout, rank), rank, layout.world, copy, owner)
+
+
+def _split(full: Any, layout: ShardLayout, rank: int) -> Any:
     shapes = dict(zip(layout.names, layout.shapes))
     pieces = layout.pieces(rank)
     leaves, spec = pytree.flatten(full)
@@ -164,7 +216,7 @@ def split_opt_state(full: Any, layout: ShardLayout, rank: int) -> ShardedState:
             a, b = pieces[name]
             leaf = leaf.reshape(-1)[a:b].clone()
         out.append(leaf)
-    return ShardedState(pytree.unflatten(out, spec), torch.tensor(rank), torch.tensor(layout.world))
+    return pytree.unflatten(out, spec)
 
 
 def gather_opt_state(parts: Sequence[ShardedState], layout: ShardLayout) -> Any:
@@ -196,9 +248,14 @@ def gather_opt_state(parts: Sequence[ShardedState], layout: ShardLayout) -> Any:
 
 
 def shard_state(
-    state: TrainState, rank: int, world: int, optimizer: Optional[GradientTransformation] = None
+    state: TrainState,
+    rank: int,
+    world: int,
+    optimizer: Optional[GradientTransformation] = None,
+    buddy: Optional[int] = None,
 ) -> TrainState:
-    """Rank ``rank``'s sharded copy of ``state``: its optimizer state cut into this rank's pieces.
+    """Rank ``rank``'s sharded copy of ``state``: its optimizer state cut into this rank's pieces (and,
+    with ``buddy``, a copy of rank ``rank + buddy``'s).
 
     ``optimizer`` (with a fresh state, step 0) initialises the pieces directly instead, so that no rank
     ever holds the whole optimizer state.  A state already sharded over ``world`` for ``rank`` is returned as is.
@@ -216,9 +273,9 @@ def shard_state(
             "state first (raympi.core.shard.join_states) and shard the whole"
         )
     sharded_state = (
-        init_opt_state(optimizer, state.params, layout, rank)
+        init_opt_state(optimizer, state.params, layout, rank, buddy)
         if optimizer is not None
-        else split_opt_state(current, layout, rank)
+        else split_opt_state(current, layout, rank, buddy)
     )
     return state.replace(opt_state=sharded_state)
 
@@ -300,13 +357,27 @@ def reduce_gradients(
         return _cut(grads, layout, rank)
     g = list(grads.values())
     flat = _flat(g, layout, buffers.flat(layout, g[0]) if buffers is not None else None)
-    chunk = sync.reduce_scatter(flat, layout.counts())
+    return _pieces_of_chunk(sync.reduce_scatter(flat, layout.counts()), layout, rank)
+
+
+def _pieces_of_chunk(chunk: torch.Tensor, layout: ShardLayout, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s pieces as views of its chunk (laid out flat)."""
     lo, _ = layout.bounds(rank)
     offset, out = 0, {}
     for name, n, (a, b) in zip(layout.names, layout.numels, layout.pieces(rank).values()):
         out[name] = chunk[offset + a - lo : offset + b - lo] if b > a else chunk[:0]
         offset += n
     return out
+
+
+def next_gradients(
+    pieces: dict[str, torch.Tensor], layout: ShardLayout, sync: ShardSync, owner: int
+) -> dict[str, torch.Tensor]:
+    """Rank ``owner``'s pieces of the summed gradients (for the buddy copy of its slice), from it; this
+    rank's ``pieces`` go the other way, to the rank that keeps this one's copy (:meth:`ShardSync.shift_`)."""
+    mine = torch.cat([p.reshape(-1) for p in pieces.values()])
+    by = (owner - sync.rank) % sync.size
+    return _pieces_of_chunk(sync.shift_(mine, layout.counts(), by), layout, owner)
 
 
 def apply_sharded(
@@ -316,6 +387,7 @@ def apply_sharded(
     params: dict[str, torch.Tensor],
     sync: Optional[ShardSync],
     buffers: Optional[ShardBuffers] = None,
+    next_grads: Optional[dict[str, torch.Tensor]] = None,
 ) -> tuple[dict[str, torch.Tensor], ShardedState]:
     """One optimizer step on this rank's pieces, then the all-gather of the new parameters.
 
@@ -329,6 +401,8 @@ def apply_sharded(
         params: the whole parameters (not written).
         sync: the collectives; ``None`` in a world of one.
         buffers: the step's :class:`ShardBuffers`, or ``None`` (new tensors every step).
+        next_grads: the next rank's pieces of the summed gradients (:func:`next_gradients`), which a
+            state with a buddy copy needs.
 
     Returns:
         ``(new whole parameters, new ShardedState)``; the inputs are left as they were.
@@ -345,29 +419,80 @@ def apply_sharded(
             f"the optimizer state is rank {int(opt_state.rank)}'s of {int(opt_state.world)} but this is rank {rank} "
             f"of {world}: gather it first (raympi.core.shard.gather_opt_state) and split it for this world"
         )
-    view = _full_view(params, _alone if sync is None else sync.sum_)
+    if opt_state.copy is not None and next_grads is None:
+        raise TrainingError("this optimizer state keeps a buddy copy: pass the next rank's gradients (next_grads)")
+    sums = _Sums(_alone if sync is None else sync.sum_)
+    own_view, replay_view = _full_view(params, sums.record), _full_view(params, sums.replay)
+    current = (opt_state.inner_state,) if opt_state.copy is None else (opt_state.inner_state, opt_state.copy)
     if buffers is None:
-        with sharded(view):
+        with sharded(own_view):
             new_pieces, inner = apply_gradients(optimizer, grads, opt_state.inner_state, _cut(params, layout, rank))
-        return gather_params(new_pieces, layout, sync), ShardedState(inner, opt_state.rank, opt_state.world)
-    donated = buffers.input_is_last(params, opt_state.inner_state)
+        copy = _buddy_update(optimizer, next_grads, opt_state, params, layout, replay_view, opt_state.copy, False)
+        out = gather_params(new_pieces, layout, sync)
+        return out, _with(opt_state, inner, copy)
+    donated = buffers.input_is_last(params, current)
     grads = _cut_like(grads, buffers.chunk_copy(grads))
     flat = buffers.flat(layout, next(iter(params.values())))
     lo, hi = layout.bounds(rank)
     _joined(_cut(params, layout, rank), flat[lo:hi])
     pieces = _cut(_views(flat, layout), layout, rank)
-    state = opt_state.inner_state
+    state = current
     if donated and buffers.spare_state is not None:  # the state before last's slice takes the current one
         torch._foreach_copy_(buffers.spare_state, pytree.leaves(state))
         state = pytree.unflatten(buffers.spare_state, pytree.flatten(state)[1])
-    with sharded(view):
-        new_pieces, inner = apply_gradients(optimizer, grads, state, pieces, donate=state is not opt_state.inner_state)
+    own = state is not current  # the step's own memory: written in place
+    with sharded(own_view):
+        new_pieces, inner = apply_gradients(optimizer, grads, state[0], pieces, donate=own)
     for name, piece in pieces.items():  # a transformation may hand back new tensors instead of writing in place
         if new_pieces[name].data_ptr() != piece.data_ptr():
             piece.copy_(new_pieces[name])
+    old_copy = state[1] if len(state) > 1 else None
+    copy = _buddy_update(optimizer, next_grads, opt_state, params, layout, replay_view, old_copy, own)
     out = gather_params(pieces, layout, sync, into=flat)
-    buffers.committed(flat, inner, (_flat_of(params), pytree.leaves(opt_state.inner_state)) if donated else None)
-    return out, ShardedState(inner, opt_state.rank, opt_state.world)
+    freed = (_flat_of(params), pytree.leaves(current)) if donated else None
+    buffers.committed(flat, (inner, copy)[: len(current)], freed)
+    return out, _with(opt_state, inner, copy)
+
+
+def _with(state: ShardedState, inner: Any, copy: Any) -> ShardedState:
+    return state._replace(inner_state=inner, buddy=() if copy is None else (state.buddy[0], copy))
+
+
+class _Sums:
+    """The cross-rank sums of a rank's own update, recorded to be replayed for its buddy copy: the copy
+    then sees the very values its owner saw (no second round of collectives, bit-identical results)."""
+
+    def __init__(self, sum_: Any) -> None:
+        self.sum_ = sum_
+        self.seen: list[torch.Tensor] = []
+
+    def record(self, value: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.sum_(value)
+        self.seen.append(out.clone())
+        return out
+
+    def replay(self, value: torch.Tensor) -> torch.Tensor:
+        return value.copy_(self.seen.pop(0))
+
+
+def _buddy_update(
+    optimizer: GradientTransformation,
+    next_grads: Optional[dict[str, torch.Tensor]],
+    opt_state: ShardedState,
+    params: dict[str, torch.Tensor],
+    layout: ShardLayout,
+    view: ShardView,
+    copy: Any,
+    donate: bool,
+) -> Any:
+    """The buddy ``copy`` of rank ``opt_state.copy_rank``'s slice after this step (``None`` where none is
+    kept): that rank's update, replayed here on the same gradients, parameters and sums.  The parameters it
+    computes are dropped (the all-gather brings the owner's); ``donate`` lets it update ``copy`` in place."""
+    if copy is None or next_grads is None:
+        return copy
+    pieces = {n: t.clone() for n, t in _cut(params, layout, cast(int, opt_state.copy_rank)).items()}
+    with sharded(view):
+        return apply_gradients(optimizer, next_grads, copy, pieces, donate=donate)[1]
 
 
 def _joined(pieces: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -435,3 +560,189 @@ def check_shardable(params: dict[str, torch.Tensor]) -> None:
             f"one flat buffer); found {sorted(map(str, kinds))}. Cast the model first (model.float()) or "
             "use shard_optimizer=False"
         )
+
+
+# --------------------------------------------------------------------------- a new world from the survivors
+
+
+class SliceLost(TrainingError):
+    """The members of a new group do not hold every slice of the sharded optimizer state (both copies of
+    one were lost), or hold slices of different steps: the state must come from a checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What one member of a re-formed group holds: its rank in the old group of ``world``, the ``step`` of
+    its state and ``copy_rank``, whose copy it keeps (``None``: none)."""
+
+    rank: int
+    world: int
+    step: int
+    copy_rank: Optional[int]
+
+    @classmethod
+    def of(cls, state: Optional[TrainState]) -> Optional[Held]:
+        """What ``state`` holds (``None``: no state, a new member); a whole state counts as rank 0 of 1."""
+        if state is None:
+            return None
+        opt = state.opt_state
+        if not isinstance(opt, ShardedState):
+            return cls(0, 1, int(state.step), None)
+        return cls(int(opt.rank), int(opt.world), int(state.step), opt.copy_rank)
+
+
+def plan_reshard(held: Sequence[Optional[Held]]) -> dict[int, tuple[int, bool]]:
+    """Which member sends each slice of the old group: old rank ``k`` -> ``(member, from its buddy copy)``.
+
+    ``held[j]`` is member ``j``'s :class:`Held` (``None`` for a member with no state).  Every member
+    computes the same plan from the same list.
+
+    Raises:
+        SliceLost: a slice no member holds (naming it and the ranks that held it), members of
+            different groups, or states of different steps.
+    """
+    states = {j: h for j, h in enumerate(held) if h is not None}
+    if not states:
+        raise SliceLost("no member holds a state")
+    worlds, steps = {h.world for h in states.values()}, {h.step for h in states.values()}
+    if len(worlds) > 1 or len(steps) > 1:
+        raise SliceLost(
+            f"the survivors hold slices of groups of {sorted(worlds)} rank(s) at steps {sorted(steps)}: "
+            "they do not make one state"
+        )
+    world = worlds.pop()
+    plan: dict[int, tuple[int, bool]] = {}
+    lost = []
+    for k in range(world):
+        own = [j for j, h in states.items() if h.rank == k]
+        copies = [j for j, h in states.items() if h.copy_rank == k]
+        if own or copies:
+            plan[k] = (own[0], False) if own else (copies[0], True)
+        else:
+            lost.append(k)
+    if lost:
+        raise SliceLost(
+            f"slice(s) {lost} of the sharded optimizer state were held only by the lost ranks (each slice lives on "
+            "its own rank and, with a buddy copy, on one other): both copies are gone"
+        )
+    return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """A skeleton's stand-in for a per-parameter piece: which parameter, and its dtype."""
+
+    name: str
+    dtype: torch.dtype
+
+
+def _piece_names(inner: Any, layout: ShardLayout, rank: int) -> list[Optional[str]]:
+    """For each leaf of rank ``rank``'s inner state, the parameter it is a piece of (``None``: a whole leaf)."""
+    pieces = layout.pieces(rank)
+    out: list[Optional[str]] = []
+    for keys, leaf in zip(pytree.dict_keys_of_leaves(inner), pytree.leaves(inner)):
+        name = _per_param(keys, layout)
+        is_piece = (
+            name is not None
+            and isinstance(leaf, torch.Tensor)
+            and leaf.ndim == 1
+            and leaf.numel() == pieces[name][1] - pieces[name][0]
+        )
+        out.append(name if is_piece else None)
+    return out
+
+
+def _as_sharded(opt_state: Any, params: dict[str, torch.Tensor]) -> ShardedState:
+    """A whole optimizer state as the one slice of a world of one; a sharded one as it is."""
+    if isinstance(opt_state, ShardedState):
+        return opt_state
+    return split_opt_state(opt_state, ShardLayout.of(params, 1), 0)
+
+
+def reshard_skeleton(opt_state: Any, params: dict[str, torch.Tensor]) -> Any:
+    """The optimizer state's structure and whole leaves (counters, hyperparameters), with a stand-in for
+    every per-parameter piece: what a member that holds no state needs besides the pieces."""
+    state = _as_sharded(opt_state, params)
+    layout = ShardLayout.of(params, int(state.world))
+    leaves, spec = pytree.flatten(state.inner_state)
+    names = _piece_names(state.inner_state, layout, int(state.rank))
+    return pytree.unflatten([leaf if n is None else _Piece(n, leaf.dtype) for n, leaf in zip(names, leaves)], spec)
+
+
+def _needs(rank: int, world: int, buddy: Optional[int]) -> list[int]:
+    """The new slices rank ``rank`` of ``world`` holds: its own, then its buddy copy's."""
+    owner = _copy_of(rank, world, buddy)
+    return [rank] if owner is None else [rank, owner]
+
+
+def reshard_messages(
+    opt_state: Any,
+    params: dict[str, torch.Tensor],
+    plan: dict[int, tuple[int, bool]],
+    member: int,
+    world: int,
+    buddy: Optional[int],
+) -> list[list[tuple[int, int, int, torch.Tensor]]]:
+    """What member ``member`` sends to each member of the new group of ``world``: for every slice the
+    ``plan`` gives it, the parts each new rank needs (its own slice and, with ``buddy``, its copy), as
+    ``(new slice, leaf index, offset in the new piece, tensor)``."""
+    out: list[list[tuple[int, int, int, torch.Tensor]]] = [[] for _ in range(world)]
+    state = _as_sharded(opt_state, params)
+    old, new = ShardLayout.of(params, int(state.world)), ShardLayout.of(params, world)
+    for k, (sender, from_copy) in plan.items():
+        if sender != member:
+            continue
+        inner = state.copy if from_copy else state.inner_state
+        leaves, names = pytree.leaves(inner), _piece_names(inner, old, k)
+        have = old.pieces(k)
+        for j in range(world):
+            for c in _needs(j, world, buddy):
+                want = new.pieces(c)
+                for i, (name, leaf) in enumerate(zip(names, leaves)):
+                    if name is None:
+                        continue
+                    (a, b), (a2, b2) = have[name], want[name]
+                    lo, hi = max(a, a2), min(b, b2)
+                    if lo < hi:
+                        # (a clone: a view would carry its whole storage)
+                        out[j].append((c, i, lo - a2, leaf[lo - a : hi - a].clone()))
+    return out
+
+
+def reshard_receive(
+    received: Sequence[Sequence[tuple[int, int, int, torch.Tensor]]],
+    skeleton: Any,
+    params: dict[str, torch.Tensor],
+    rank: int,
+    world: int,
+    buddy: Optional[int],
+) -> Any:
+    """This rank's optimizer state in the new group of ``world``, from the parts every member sent it
+    (:func:`reshard_messages`) and the :func:`reshard_skeleton`: a :class:`ShardedState`, or the whole
+    state in a world of one.
+
+    Raises:
+        SliceLost: the parts do not cover this rank's slices (a plan that was not every member's).
+    """
+    layout = ShardLayout.of(params, world)
+    leaves, spec = pytree.flatten(skeleton)
+    trees = {}
+    for c in _needs(rank, world, buddy):
+        pieces = layout.pieces(c)
+        built = [
+            torch.empty(pieces[x.name][1] - pieces[x.name][0], dtype=x.dtype) if isinstance(x, _Piece) else x
+            for x in leaves
+        ]
+        filled = [0] * len(built)
+        for part in received:
+            for slice_, i, offset, tensor in part:
+                if slice_ == c:
+                    built[i][offset : offset + tensor.numel()] = tensor
+                    filled[i] += tensor.numel()
+        short = [i for i, x in enumerate(leaves) if isinstance(x, _Piece) and filled[i] != built[i].numel()]
+        if short:
+            raise SliceLost(f"the parts received for slice {c} do not cover leaves {short}")
+        trees[c] = pytree.unflatten(built, spec)
+    owner = _copy_of(rank, world, buddy)
+    state = _sharded_state(trees[rank], rank, world, None if owner is None else trees[owner], owner)
+    return gather_opt_state([state], layout) if world == 1 else state

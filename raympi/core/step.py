@@ -51,7 +51,7 @@ from raympi.core.metrics import (
     stats_row,
 )
 from raympi.core.mode import in_mode
-from raympi.core.optim import GradientTransformation, apply_gradients
+from raympi.core.optim import GradientTransformation, ShardedState, apply_gradients
 from raympi.core.overlap import Buckets, BucketSync
 from raympi.core.precision import (
     LossScaling,
@@ -69,6 +69,7 @@ from raympi.core.shard import (
     ShardSync,
     apply_sharded,
     check_shardable,
+    next_gradients,
     reduce_gradients,
 )
 from raympi.core.state import TrainState
@@ -237,9 +238,11 @@ def make_train_step(
                 "shard_optimizer=True cannot be combined with overlap=True yet (the buckets would be "
                 "all-reduced, not reduce-scattered): set overlap=False"
             )
-        if grad_sync is not None and not all(hasattr(grad_sync, a) for a in ("reduce_scatter", "all_gather_", "sum_")):
+        if grad_sync is not None and not all(
+            hasattr(grad_sync, a) for a in ("reduce_scatter", "all_gather_", "sum_", "shift_")
+        ):
             raise ConfigError(
-                "shard_optimizer=True needs a grad_sync with reduce_scatter, all_gather_ and sum_ "
+                "shard_optimizer=True needs a grad_sync with reduce_scatter, all_gather_, sum_ and shift_ "
                 "(raympi.core.shard.ShardSync: the MPI communicator or a gloo/NCCL process group)"
             )
     if overlapped and not isinstance(grad_sync, BucketSync):
@@ -278,17 +281,18 @@ def make_train_step(
         # give it copies so the input state stays as it was.
         buffers = {k: (v.clone() if k in setup.mutable else v) for k, v in state.buffers.items()}
         grads, stats, classify = _gradients(setup, state, buffers, micros, global_n, scale)
+        copied: dict[str, torch.Tensor] = {}  # the buddy's pieces of the sums, where this rank keeps its copy
         if setup.shard:  # this rank's pieces of the sums; the statistics are summed in _read
-            grads, stats = _sync_shards(setup, grads, stats)
+            grads, stats, copied = _sync_shards(setup, grads, stats, state.opt_state)
         elif not overlapped:  # (overlapped, the buckets have summed both already)
             grads, stats = _sync(setup, grads, stats)
-        read = _read(setup, grads, stats, scale, classify)
+        read = _read(setup, grads, stats, scale, classify, copied)
         if global_batch_size is not None and read.metrics["samples"] != global_n:
             raise TrainingError(
                 f"the ranks' batches hold {read.metrics['samples']} samples in all but global_batch_size is "
                 f"{global_n}: pass the size of the whole step's batch over all ranks"
             )
-        return _update(setup, state, buffers, grads, read, loss_scale, scale)
+        return _update(setup, state, buffers, grads, read, loss_scale, scale, copied)
 
     return train_step
 
@@ -427,19 +431,28 @@ def _sync(
 
 
 def _sync_shards(
-    setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """shard_optimizer: this rank's pieces of the summed gradients (a reduce-scatter); the statistics row,
-    with fp16 this rank's overflow flag, is summed later with the verdict on the pieces (:func:`_read`)."""
+    setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor, opt_state: Any
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+    """shard_optimizer: this rank's pieces of the summed gradients (a reduce-scatter), and its buddy's where
+    it keeps a copy of that slice (``{}`` otherwise); the statistics row, with fp16 this rank's overflow
+    flag, is summed later with the verdict on the pieces (:func:`_read`)."""
     if setup.scaler:
         stats = torch.cat([stats, nonfinite_flag(list(grads.values())).to(stats.device)])
     sync = cast(Optional[ShardSync], setup.grad_sync)
     layout = ShardLayout.of(grads, 1 if sync is None else sync.size)
-    return reduce_gradients(grads, layout, sync, setup.buffers), stats
+    mine = reduce_gradients(grads, layout, sync, setup.buffers)
+    owner = opt_state.copy_rank if isinstance(opt_state, ShardedState) else None
+    copied = {} if sync is None or owner is None else next_gradients(mine, layout, sync, owner)
+    return mine, stats, copied
 
 
 def _read(
-    setup: _Setup, grads: dict[str, torch.Tensor], stats: torch.Tensor, scale: float, classify: bool
+    setup: _Setup,
+    grads: dict[str, torch.Tensor],
+    stats: torch.Tensor,
+    scale: float,
+    classify: bool,
+    copied: dict[str, torch.Tensor],
 ) -> StepStats:
     """The summed statistics read to the host: the step's one host read.
 
@@ -447,8 +460,8 @@ def _read(
     and their ``found_inf`` joins the row (:attr:`StatsLayout.sum_overflow`).  With ``shard_optimizer``
     the gradients are this rank's pieces: the row, ``found_inf`` included, is summed over the ranks here.
     """
-    if setup.scaler:
-        found = unscale_(list(grads.values()), scale)
+    if setup.scaler:  # (the buddy's pieces too: its owner unscales them alike; an overflow there counts twice)
+        found = unscale_([*grads.values(), *copied.values()], scale)
         stats = torch.cat([stats, found.to(stats.device, torch.float64)])
     if setup.shard and setup.grad_sync is not None:
         stats = cast(ShardSync, setup.grad_sync).sum_(stats)
@@ -463,6 +476,7 @@ def _update(
     read: StepStats,
     loss_scale: dict[str, torch.Tensor],
     scale: float,
+    copied: dict[str, torch.Tensor],
 ) -> tuple[TrainState, Metrics]:
     """The new state and the metrics: the optimizer's update, or a skipped step (fp16 overflow, a non-finite
     loss with ``on_nonfinite="skip"``); a non-finite loss with ``"raise"`` raises."""
@@ -487,7 +501,9 @@ def _update(
         return state.replace(buffers=buffers if finite else state.buffers, **new), metrics
     if setup.shard:  # never in place: a step abandoned in the all-gather leaves the state as it was
         sync = cast(Optional[ShardSync], setup.grad_sync)
-        params, opt_state = apply_sharded(setup.optimizer, grads, state.opt_state, state.params, sync, setup.buffers)
+        params, opt_state = apply_sharded(
+            setup.optimizer, grads, state.opt_state, state.params, sync, setup.buffers, copied or None
+        )
     else:
         params, opt_state = apply_gradients(setup.optimizer, grads, state.opt_state, state.params, donate=setup.donate)
     return state.replace(params=params, buffers=buffers, opt_state=opt_state, **new), metrics

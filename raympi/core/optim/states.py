@@ -20,7 +20,7 @@ load.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -120,12 +120,25 @@ class ShardedState(NamedTuple):
     """One rank's part of an optimizer state sharded over the ranks (``shard_optimizer=True``).
 
     ``inner_state`` is the optimizer's own state over this rank's slices of the parameters (see
-    :mod:`raympi.core.shard`): per-parameter tensors are 1-D pieces, counters are whole.
+    :mod:`raympi.core.shard`): per-parameter tensors are 1-D pieces, counters are whole.  ``buddy``,
+    where kept, holds another rank's, updated by every step as that rank updates its own: a rank lost
+    takes no slice with it.
     """
 
     inner_state: Any  # the optimizer's state over this rank's slices
     rank: torch.Tensor  # 0-d int64: whose slices
     world: torch.Tensor  # 0-d int64: over how many ranks the parameters are cut
+    buddy: Any = ()  # ``(rank, its inner_state)``: a copy of another rank's slice; ``()`` where none is kept
+
+    @property
+    def copy(self) -> Any:
+        """The copy of another rank's ``inner_state`` this rank keeps, or ``None``."""
+        return self.buddy[1] if self.buddy else None
+
+    @property
+    def copy_rank(self) -> Optional[int]:
+        """Whose ``inner_state`` :attr:`copy` is, or ``None``."""
+        return int(self.buddy[0]) if self.buddy else None
 
 
 STATE_TYPES: tuple[type[Any], ...] = (
@@ -256,7 +269,8 @@ def _typed(tree: Any) -> Any:
         name = tree[TYPE_KEY]
         cls = _BY_NAME.get(name)
         fields = {k: _typed(v) for k, v in tree.items() if k != TYPE_KEY}
-        if cls is None or set(fields) != set(cls._fields):
+        # (a field added later, with a default, may be missing from what an older raympi saved)
+        if cls is None or not set(cls._fields) - set(cls._field_defaults) <= set(fields) <= set(cls._fields):
             raise ValueError(
                 f"not an optimizer state of this raympi: {name!r} with fields {sorted(fields)} "
                 f"(known: {sorted(_BY_NAME)}); was it saved by a newer version?"
