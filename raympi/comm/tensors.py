@@ -28,10 +28,13 @@ __all__ = [
     "unpack_tree",
 ]
 
-# MPI has no 16-bit float types: such tensors are summed in float32 (see raympi.comm.wire.WIDENED).
+#: The dtype each 16-bit float type is summed in, float32, since MPI has none of its own (see
+#: :data:`raympi.comm.wire.WIDENED`).
 REDUCE_AS = {getattr(torch, name): torch.float32 for name in WIDENED}
-# Optional compression: float32 gradients travel as 16-bit floats and are summed by a user-defined op.
+#: The 16-bit dtype of each ``compression`` setting; float32 gradients travel as it and are summed by a
+#: user-defined op.
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The dtypes MPI sums as they are.
 REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
 
 

@@ -30,11 +30,13 @@ __all__ = [
     "means_to_sums",
 ]
 
+#: What a step reports, metric name -> value.
 Metrics = dict[str, Any]
+#: A user metric, ``fn(outputs, targets)`` -> the mean over the samples given.
 MetricFn = Callable[[Any, Optional[torch.Tensor]], torch.Tensor]
 
-# Keys the train step itself reports: a user metric may not take them (``accuracy`` may: it then
-# replaces the automatic one).
+#: Keys the train step itself reports, which a user metric may not take (``accuracy`` may; it then
+#: replaces the automatic one).
 RESERVED = ("loss", "samples", "loss_scale", "skipped", "nonfinite")
 
 

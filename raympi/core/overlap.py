@@ -26,7 +26,8 @@ from raympi.exceptions import TrainingError
 
 __all__ = ["BucketSync", "Buckets", "FIRST_BUCKET_BYTES", "plan_buckets"]
 
-# DDP's first bucket is small too: the last layers' gradients go out while the rest is computed.
+#: The first bucket's size.  DDP's first bucket is small too; the last layers' gradients go out while the rest is
+#: computed.
 FIRST_BUCKET_BYTES = 2**20
 
 

@@ -121,7 +121,7 @@ def autocast(precision: Precision, device_type: str) -> contextlib.AbstractConte
         device_type: the parameters' device type (``"cpu"``, ``"cuda"``).
 
     Returns:
-        A context manager: ``torch.autocast`` to the precision's dtype, or a null context.
+        ``torch.autocast`` to the precision's dtype, or a null context.
     """
     if precision == "fp32":
         return contextlib.nullcontext()

@@ -178,6 +178,7 @@ class Raise:
     error: BaseException
 
 
+#: The five decisions :func:`decide` may return.
 Decision = Union[Warm, Cold, Grow, Finish, Raise]
 
 

@@ -125,9 +125,11 @@ class RestartRecord:
         kind: the :class:`~raympi.driver.policy.FailureKind`'s value.
         cause: one line.
         phase: the controller's phase when it was seen.
-        ranks / nodes: what failed, where known.
+        ranks: the ranks that failed, where known.
+        nodes: the nodes they were on, where known.
         path: ``"warm"`` (survivors kept their state) or ``"cold"`` (a new group from a checkpoint).
-        world_before / world_after: ranks before and after.
+        world_before: ranks before it.
+        world_after: ranks after it.
         restored_step: the step training continued from; ``steps_lost``: ``step - restored_step``.
         detect_s: the last completed chunk -> the failure noticed.
         reform_s: noticed -> the new group ready (carrying the decision out).
