@@ -219,6 +219,74 @@ def test_killed_or_hung_worker_is_recovered(cluster, uninterrupted, tmp_path, si
 
 
 @pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_a_sharded_run_loses_no_step_when_a_worker_dies(cluster, uninterrupted, tmp_path, transport):
+    """shard_optimizer: the dead rank's slice of the optimizer state lives on in its buddy copy on another
+    rank; the survivors and the replacement re-cut the slices and train on warm."""
+    folder = tmp_path / "ck"
+    _when_checkpoint(folder, 20, lambda: _signal_one_worker(signal.SIGKILL))
+    result = raympi.fit(
+        _net(),
+        _data(),
+        workers=3,
+        checkpoint_dir=str(folder),
+        shard_optimizer=True,
+        grad_transport=transport,
+        **OPTIONS,
+    )
+    record = result.restarts[0]
+    assert record["path"] == "warm" and record["steps_lost"] == 0, record
+    assert record["world_after"] == 3 and record["restored_step"] >= 20
+    assert [r["step"] for r in result.metrics] == list(range(1, len(result.metrics) + 1))
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+def test_a_sharded_run_goes_on_warm_after_a_node_loss_on_fewer_workers(cluster, uninterrupted, tmp_path):
+    """No room for a replacement: the two survivors re-shard the three slices between them (3 -> 2)."""
+    folder = tmp_path / "ck"
+    lost = cluster.workers.pop()
+    _when_checkpoint(folder, 20, lambda: cluster.remove_node(lost))
+    result = raympi.fit(
+        _net(), _data(), workers=3, min_workers=2, checkpoint_dir=str(folder), shard_optimizer=True, **OPTIONS
+    )
+    record = result.restarts[0]
+    assert record["path"] == "warm" and record["steps_lost"] == 0, record
+    assert record["world_before"] == 3 and record["world_after"] == 2
+    assert result.metrics[-1]["world_size"] == 2
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+def test_a_sharded_run_that_loses_both_copies_of_a_slice_restarts_from_its_checkpoint(cluster, uninterrupted, tmp_path):
+    """Two of three ranks in the same step: one slice had both its copies on them. The message says so, and
+    the run restarts from the newest checkpoint."""
+    folder, trigger = tmp_path / "ck", tmp_path / "die"
+
+    class TwoDie(nn.Sequential):  # the first two ranks to step once ``trigger`` exists die in that step
+        def forward(self, x):
+            time.sleep(0.01)
+            if trigger.exists():
+                for claim in (tmp_path / "claim-0", tmp_path / "claim-1"):
+                    try:
+                        os.close(os.open(claim, os.O_CREAT | os.O_EXCL))
+                    except FileExistsError:
+                        continue
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    net = TwoDie(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2))
+    _when_checkpoint(folder, 20, trigger.touch)
+    result = raympi.fit(
+        net, _data(), workers=3, min_workers=1, checkpoint_dir=str(folder), shard_optimizer=True, **OPTIONS
+    )
+    record = result.restarts[0]
+    assert record["path"] == "cold" and record["restored_step"] >= 20, record
+    assert "both copies are gone" in record["warm_skipped"], record
+    assert "restarts from the newest checkpoint" in record["warm_skipped"], record
+    assert [r["step"] for r in result.metrics] == list(range(1, len(result.metrics) + 1))
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
 def test_node_loss_continues_on_fewer_workers_and_grows_back(cluster, uninterrupted, tmp_path, transport):
     folder, slow = tmp_path / "ck", tmp_path / "slow"
     slow.touch()  # the steps take 50 ms until the run has grown back: it outlasts the node's start on a loaded machine

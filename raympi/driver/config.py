@@ -157,7 +157,14 @@ class FitConfig(BaseModel):
         False,
         description="keep each rank's slice of the optimizer state and of the summed gradients only (ZeRO-2): "
         "a reduce-scatter, the optimizer on the slice, an all-gather of the parameters; optimizer memory 1/N per "
-        "rank. A failure restarts from the newest checkpoint (no warm restart yet); not with compression or overlap",
+        "rank (2/N with shard_buddy). Not with compression or overlap",
+    )
+    shard_buddy: bool = Field(
+        True,
+        description="shard_optimizer: keep a copy of each rank's slice on one other rank (on another node where "
+        "the ranks are spread evenly), updated every step: a lost rank (or node) then restarts warm with no step "
+        "lost, at 2/N of the optimizer state per rank instead of 1/N. False: 1/N, and a failure restarts from "
+        "the newest checkpoint",
     )
     grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = Field(
         "auto",

@@ -154,6 +154,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
             grad_transport=grad_transport(cfg, use_gpu),
             fp32_reduce=cfg.fp32_reduce,
+            shard_buddy=cfg.shard_optimizer and cfg.shard_buddy,
             transport_timeout_s=cfg.startup_timeout_s,
         )
         spe = sampler.steps_per_epoch
@@ -173,8 +174,9 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             "optimizer_state": _optimizer_layout(optimizer, model),
         }
         run = _resumed(store, fingerprint) if cfg.resume else RunState()
-        # Survivors cannot carry a sharded optimizer state on: a lost rank's slice is lost with it.
-        run = dataclasses.replace(run, warm_possible=ray_dataset is None and not cfg.shard_optimizer)
+        # Without a buddy copy, a lost rank's slice of a sharded optimizer state is lost with it.
+        warm = ray_dataset is None and (cfg.shard_buddy or not cfg.shard_optimizer)
+        run = dataclasses.replace(run, warm_possible=warm)
         pipeline = Pipeline(
             plan,
             sampler,

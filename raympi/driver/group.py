@@ -21,7 +21,7 @@ from raympi.driver.config import FitConfig
 from raympi.driver.heartbeat import BEAT_S, SILENT_S, Heartbeat, start_hung
 from raympi.driver.policy import Failed, Failure, FailureKind
 from raympi.driver import pool, tune
-from raympi.exceptions import CapacityError, RaympiError, TrainingError, where
+from raympi.exceptions import CapacityError, FormationError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
 
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
@@ -379,7 +379,12 @@ class WorkerGroup:
         self.hosts = [host for _, _, host in formed]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
-        self.gather([a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group")
+        answers = self.gather(
+            [a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group"
+        )
+        lost = next((a for a in answers if isinstance(a, str)), None)
+        if lost is not None:  # the survivors' slices of a sharded state do not make one state
+            raise FormationError(lost)
         self.fresh = False
         # New spares start only now (one importing torch took the cores re-forming needs: +0.3 s on
         # 2 cores), and only where live nodes have room (never waiting on a lost node's bundle).

@@ -132,12 +132,13 @@ def warm(
         for s in range(run.step + 1, step + 1)
     ]
     history = run.until(step).append(seen)
-    # Taken from the root's health thread while it re-forms; used only if re-forming fails.
-    snapshot = group.snapshot(root)
+    # Taken from the root's health thread while it re-forms; used only if re-forming fails.  A sharded
+    # state is not one rank's: re-forming failed, the run restarts from the newest checkpoint.
+    snapshot = None if cfg.shard_optimizer else group.snapshot(root)
     try:
         group.reform(survivors, root, Deadline(cfg.restart_timeout_s, "restart_timeout_s"))
     except INFRASTRUCTURE_ERRORS as error:  # a cold restart follows, from the survivors' state if it was saved
-        saved = group.holds(snapshot, Deadline(cfg.step_timeout_s).remaining())
+        saved = snapshot is not None and group.holds(snapshot, Deadline(cfg.step_timeout_s).remaining())
         raise WarmSkipped(
             f"re-forming failed: {type(error).__name__}: {error}",
             resume=(step, snapshot, history) if saved else None,

@@ -27,7 +27,19 @@ from raympi.comm import process_group
 from raympi.comm.buckets import BucketAllreduce
 from raympi.core import optim, pytree
 from raympi.core.precision import LossScaling
-from raympi.core.shard import ShardLayout, gather_params, shard_state
+from raympi.core.optim import ShardedState, from_plain, to_plain
+from raympi.core.shard import (
+    Held,
+    ShardLayout,
+    SliceLost,
+    buddy_distance,
+    gather_params,
+    plan_reshard,
+    reshard_messages,
+    reshard_receive,
+    reshard_skeleton,
+    shard_state,
+)
 from raympi.core.state import TrainState
 from raympi.core.batch import correct_predictions
 from raympi.core.step import make_eval_step, make_train_step
@@ -75,6 +87,7 @@ class WorkerSpec:
         grad_transport: how gradients are summed: ``"mpi"`` (the communicator itself), ``"gloo"`` or
             ``"nccl"`` (a process group built from it, see :mod:`raympi.comm.process_group`).
         fp32_reduce: gloo/NCCL: sum 16-bit gradients in float32.
+        shard_buddy: ``shard_optimizer``: keep a copy of another rank's slice (a warm restart then loses none).
         transport_timeout_s: building the process group, and the longest one of its operations may block.
     """
 
@@ -92,6 +105,7 @@ class WorkerSpec:
     step_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     grad_transport: str = "mpi"
     fp32_reduce: bool = False
+    shard_buddy: bool = False
     transport_timeout_s: float = 120.0
     env: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -110,7 +124,9 @@ class Worker(comm.Member):
         self.optimizer = spec.optimizer
         self.step_options = spec.step_options
         self.sharded = False  # shard_optimizer over a group of several ranks: set with the communicator (_build_steps)
+        self.buddy: int | None = None  # sharded with buddy copies: rank r keeps rank r + buddy's slice too
         self.transport = (spec.grad_transport, spec.fp32_reduce, spec.transport_timeout_s)
+        self.shard_buddy = spec.shard_buddy
         self.grad_sync: Any = None  # the step's cross-rank sum, rebuilt for every new communicator
         self.progress = 0  # steps and evaluation batches done: what ping reports, so slow is told from hung
         # Before MPI starts: a Dataset's loader forks its reading processes here.
@@ -178,21 +194,50 @@ class Worker(comm.Member):
         )  # a checkpoint, or a survivor's snapshot
         if self.sharded:
             state_tree = shard_state(
-                state_tree, self.comm.rank, self.comm.size, self.optimizer if state is None else None
+                state_tree, self.comm.rank, self.comm.size, self.optimizer if state is None else None, self.buddy
             )
         self._own(state_tree)
         return os.getpid()
 
-    def rejoin(self, root: int) -> int:
-        """Warm restart, after a new communicator was formed: take the state of rank ``root`` (a survivor).
+    def rejoin(self, root: int) -> int | str:
+        """Warm restart, after a new communicator was formed: take the state of rank ``root`` (a survivor);
+        with ``shard_optimizer``, the slices of the optimizer state the survivors hold, re-cut for this group.
 
-        Returns the step of the state now held.
+        Returns the step of the state now held, or why the survivors' slices do not make a state (every
+        rank returns the same).
         """
         self.rank = self.comm.rank
         self.source.drop()  # batches fed for the abandoned steps
         self._build_steps()
+        if self.step_options.get("shard_optimizer"):
+            return self._reshard(root)
         tree = self.comm.broadcast(self.state.to_dict() if self.rank == root else None, root=root)
         self._own(TrainState.from_dict(tree))
+        return int(self.state.step)
+
+    def _reshard(self, root: int) -> int | str:
+        """:meth:`rejoin` of a sharded state: the parameters from ``root``, and every slice of the optimizer
+        state from the member that holds it (its own, or its buddy copy) to the ranks that need it."""
+        mine = self.state
+        try:
+            plan = plan_reshard(self.comm.mpi.allgather(Held.of(mine)))
+        except SliceLost as lost:
+            return f"{lost}; the run restarts from the newest checkpoint"
+        size, base = self.comm.size, None
+        if self.rank == root:
+            skeleton = reshard_skeleton(self.state.opt_state, self.state.params)
+            base = (self.state.replace(opt_state=None).to_dict(), to_plain(skeleton))
+        tree, skeleton = self.comm.broadcast(base, root=root)
+        params = tree["params"]
+        parts = (
+            reshard_messages(mine.opt_state, params, plan, self.rank, size, self.buddy)
+            if mine is not None
+            else [[] for _ in range(size)]
+        )
+        received = self.comm.mpi.alltoall(parts)
+        opt_state = reshard_receive(received, from_plain(skeleton), params, self.rank, size, self.buddy)
+        self.state = None  # (the old slices go before the new state's copy is made)
+        self._own(TrainState.from_dict(tree).replace(opt_state=opt_state))
         return int(self.state.step)
 
     def _build_steps(self) -> None:
@@ -201,6 +246,9 @@ class Worker(comm.Member):
         overlap = bool(options.pop("overlap", False))  # gradient buckets summed while backward runs
         # A world of one has nothing to shard: its state stays whole (no slice buffers, no copies).
         self.sharded = options["shard_optimizer"] = bool(options.get("shard_optimizer")) and self.comm.size > 1
+        self.buddy = None
+        if self.sharded and self.shard_buddy:  # the copy of each slice on another node, where the ranks allow it
+            self.buddy = buddy_distance(self.comm.mpi.allgather(ray.get_runtime_context().get_node_id()))
         self._close_grad_sync()
         self.grad_sync = self._grad_sync(overlap)
         self.train_step = make_train_step(
@@ -340,7 +388,10 @@ class Worker(comm.Member):
         The tensors go as numpy arrays (:func:`raympi.core.pytree.to_arrays`: one copy into the object store).
         On CPU they are the live ones; Ray serializes the return value before the next step runs.
         """
-        return pytree.to_arrays(_tree_to(self.state, torch.device("cpu")).to_dict())
+        state = self.state
+        if isinstance(state.opt_state, ShardedState) and state.opt_state.buddy:  # (the owner sends that slice)
+            state = state.replace(opt_state=state.opt_state._replace(buddy=()))
+        return pytree.to_arrays(_tree_to(state, torch.device("cpu")).to_dict())
 
 
 # glibc's mallopt parameters of the MALLOC_*_ environment variables (malloc.h)
