@@ -9,6 +9,7 @@ throughput against the fault-free run, final parameters against it, and processe
 
     python benchmarks/chaos.py                    # 5 minutes, a fault every ~15 s
     python benchmarks/chaos.py --quick            # about a minute, 4 faults
+    python benchmarks/chaos.py --shard-optimizer  # the same with the optimizer state sharded over the ranks
 """
 
 from __future__ import annotations
@@ -184,9 +185,15 @@ class Chaos:
 
 
 def run(
-    workers: int = 3, steps: int = 2000, faults: int = 20, every_s: float = 15.0, seed: int = 0, out: Path | None = None
+    workers: int = 3,
+    steps: int = 2000,
+    faults: int = 20,
+    every_s: float = 15.0,
+    seed: int = 0,
+    out: Path | None = None,
+    shard_optimizer: bool = False,
 ) -> dict:
-    """Fault-free run, then the same run under chaos; returns the figures."""
+    """Fault-free run, then the same run under chaos (both with ``shard_optimizer`` as given); returns the figures."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -206,6 +213,7 @@ def run(
         seed=seed,
         optimizer=raympi.optim.sgd(0.05, momentum=0.9),
         max_restarts=faults + 5,
+        shard_optimizer=shard_optimizer,
     )  # else fit's defaults
     others = {p.pid for p in worker_processes()}  # an earlier run's in this process: not this run's to count
     try:
@@ -286,11 +294,12 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=None)
     parser.add_argument("--every", type=float, default=15.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-optimizer", action="store_true", help="fit(shard_optimizer=True): sharded state")
     args = parser.parse_args()
     steps = args.steps or (1800 if args.quick else 10000)
     faults = args.faults or (4 if args.quick else 20)
     every = 10.0 if args.quick and args.every == 15.0 else args.every
-    figures = run(args.workers, steps, faults, every, args.seed)
+    figures = run(args.workers, steps, faults, every, args.seed, shard_optimizer=args.shard_optimizer)
     print("| figure | value |\n|---|---|")
     for key, value in figures.items():
         if not key.startswith("_"):

@@ -213,9 +213,12 @@ class _StopAfterRecovery:
         return self.resumed_at is not None and record["step"] >= self.resumed_at + AFTER_RECOVERY
 
 
-def _raympi_fit(folder: str, n: int, steps: int, path: str, transport: str = "mpi") -> raympi.Result:
+def _raympi_fit(
+    folder: str, n: int, steps: int, path: str, transport: str = "mpi", shard: bool = False
+) -> raympi.Result:
     """``path``: 'warm' runs raympi as it is (warm first, cold as fallback); 'cold' disables the warm attempt in the
-    driver.  ``transport``: fit's ``grad_transport`` (a gloo process group is rebuilt on every new communicator)."""
+    driver.  ``transport``: fit's ``grad_transport`` (a gloo process group is rebuilt on every new communicator).
+    ``shard``: ``shard_optimizer`` (the slices re-cut for the new group, the lost one from its buddy copy)."""
     recovery = _recovery_module()
     saved = getattr(recovery, "warm", None)
     if path == "cold" and saved is not None:
@@ -240,6 +243,7 @@ def _raympi_fit(folder: str, n: int, steps: int, path: str, transport: str = "mp
             torch_threads=1,
             optimizer=raympi.optim.adam(1e-3),
             grad_transport=transport,
+            shard_optimizer=shard,
             callbacks=[_StopAfterRecovery()],
         )
     finally:
@@ -305,7 +309,7 @@ def _checkpoint_exists(folder: str) -> Callable[[], bool]:
 
 
 def raympi_killed_worker(
-    n: int, steps: int, path: str, sig: int = signal.SIGKILL, transport: str = "mpi"
+    n: int, steps: int, path: str, sig: int = signal.SIGKILL, transport: str = "mpi", shard: bool = False
 ) -> dict[str, Any]:
     """One training worker signalled: SIGKILL (it dies) or SIGSTOP (it hangs; it is SIGCONT'ed by its killing).
     ``transport``: the gradients' data plane (``grad_transport``)."""
@@ -324,7 +328,7 @@ def raympi_killed_worker(
             return fired
 
         injector = _Injector(_checkpoint_exists(folder), inject)
-        result = _raympi_fit(folder, n, steps, path, transport)
+        result = _raympi_fit(folder, n, steps, path, transport, shard)
         injector.join()
         if injector.time is None:
             raise RuntimeError(injector.error)
@@ -563,6 +567,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.quick:
         scenarios.append(
             ("raympi stopped worker (warm)", lambda: raympi_killed_worker(n, raympi_steps, "warm", signal.SIGSTOP))
+        )
+        scenarios.append(
+            (
+                "raympi killed worker, sharded optimizer (warm)",
+                lambda: raympi_killed_worker(n, raympi_steps, "warm", shard=True),
+            )
         )
         scenarios.append(
             (

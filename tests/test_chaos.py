@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,8 +19,12 @@ def _chaos():
     return module
 
 
-def test_four_faults_recovered_on_the_fault_free_trajectory(tmp_path):
-    figures = _chaos().run(workers=3, steps=1000, faults=4, every_s=5.0, seed=1, out=tmp_path)
+@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["whole", "sharded"])
+def test_four_faults_recovered_on_the_fault_free_trajectory(tmp_path, shard_optimizer):
+    """Sharded, the optimizer state of a lost rank comes back from its buddy copy on another node."""
+    figures = _chaos().run(
+        workers=3, steps=1000, faults=4, every_s=5.0, seed=1, out=tmp_path, shard_optimizer=shard_optimizer
+    )
     assert figures["_injected"] == 4, figures
     assert figures["restart records"] >= 2, figures  # a fault that hits the hot spare needs no restart
     assert figures["_contiguous"], figures["_records"]
