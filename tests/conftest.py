@@ -6,7 +6,7 @@ Tiers, by module (``pytest -m unit``, ``-m integration``, ``-m system``; the REA
   subprocesses); checked: a unit test that leaves Ray running fails.
 - ``integration``: one local Ray instance (``ray_session``) and real MPI ranks.
 - ``system``: clusters of nodes, network-namespace hosts, ``ray up``, the chaos test, driver
-  processes killed, the benchmark smoke runs and the GPU carry's build.
+  processes killed, the benchmark smoke runs and the tools (tools/: the GPU carry, the GPU check, the sampler).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ TIERS = {
         "test_gpu_carry",
         "test_multihost",
         "test_ray_up",
+        "test_tools",
     },
 }  # every other module: integration
 
@@ -53,7 +54,7 @@ TIERS = {
 # after the other.  A module is a group (its module-scoped fixtures are set up once), but for the modules whose
 # tests stand alone (each test is a group of its own) and test_elastic, whose two halves each build their own
 # cluster.  The longest groups go first, and the short ones fill in at the end.
-ALONE = {"test_benchmarks", "test_driver_loss", "test_gpu_carry"}
+ALONE = {"test_benchmarks", "test_driver_loss", "test_gpu_carry", "test_tools"}
 ELASTIC_FIRST_HALF = ("test_killed_or_hung_worker_is_recovered", "test_node_loss_continues_on_fewer_workers")
 
 
@@ -128,7 +129,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # MPICH's OFI/tcp publishes the address of the first interface it finds, and beside test_multihost or test_ray_up
 # (the other test process) that is their namespace hosts' bridge (checked: an `Open_port` name held 10.213.x.1
 # while a bridge was up), which their teardown deletes: a formation over OFI in this namespace then hung until its
-# 120 s deadline (benchmarks/compression.py, once in a full run).  On this one host every OFI rank of the suite
+# 120 s deadline (a compression benchmark, once in a full run).  On this one host every OFI rank of the suite
 # uses the loopback; the namespace hosts' own Ray processes leave this out (tests/netns.py).
 os.environ.setdefault("FI_TCP_IFACE", "lo")
 
@@ -142,7 +143,7 @@ def _uses_ray_session(module: pytest.Module) -> bool:
 
 @pytest.fixture(scope="module", autouse=True)
 def _processes_name_their_module(request):
-    """Every process a module starts inherits its name in ``RAYMPI_TEST_MODULE``: ``benchmarks/suite_cpu.py --by
+    """Every process a module starts inherits its name in ``RAYMPI_TEST_MODULE``: ``tools/suite_cpu.py --by
     RAYMPI_TEST_MODULE`` tells where the suite's CPU goes, Ray's workers included (they inherit their raylet's)."""
     os.environ["RAYMPI_TEST_MODULE"] = module_of(request)
     yield
@@ -167,7 +168,7 @@ def _integration_fits_reuse_their_workers(request):
     README) and starts no hot spare unless it asks for one (``spares=``): a test pays for its model and data, not
     for starting processes and importing torch again.  Nothing in this tier fails a worker, and a spare was one
     more process for every new shape (the tier side by side, with the new order too: 578 -> 524 CPU-s, 305 -> 275
-    s; benchmarks/README.md).  Starting afresh and the default spare stay covered: the first fit of a shape, every
+    s; benchmarks/RESULTS.md).  Starting afresh and the default spare stay covered: the first fit of a shape, every
     other tier (the elastic, chaos and benchmark runs start theirs), and the tests that set ``keep_workers=False``."""
     if tier_of(module_of(request)) != "integration":
         yield

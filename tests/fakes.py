@@ -1,7 +1,7 @@
 """Stand-ins for the Ray side of a run, to drive the controller with no Ray: a worker group that
 only counts, and a pipeline that plays a script of completed steps, checkpoints and failures.
 
-Used by tests/test_controller.py and benchmarks/driver_history.py.
+Used by tests/test_controller.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
+import threading
 import time
 
 import numpy as np
@@ -12,6 +15,7 @@ import torch
 
 from raympi import comm
 from raympi.comm.wire import INPLACE_MIN_BYTES
+from raympi.driver.config import MPIConfig
 from raympi.exceptions import ConfigError, FormationError
 
 SIZES = [1, 2, 3, 5, 8]
@@ -72,6 +76,27 @@ def _peer_class(ray):
 
         def stall(self, seconds):
             time.sleep(seconds)
+
+        def pid(self):
+            return os.getpid()
+
+        def sum_until_aborted(self, abort_after_s, started):
+            """Sum 1 MB buffers in a loop (touching the file ``started`` after the first sum) until the collective
+            is abandoned: ``abort`` is set after ``abort_after_s``, as the worker's health thread sets it when the
+            driver learns of a failure.  Returns the sums done and what ended the loop."""
+            timer = threading.Timer(abort_after_s, self.comm.abort.set)
+            timer.start()
+            done = 0
+            try:
+                while True:
+                    self.comm.allreduce_([torch.ones(1 << 18)])
+                    done += 1
+                    if done == 1:
+                        open(started, "w").close()
+            except Exception as exc:  # the abort, or MPI reporting the lost peer
+                return done, type(exc).__name__
+            finally:
+                timer.cancel()
 
     return Peer
 
@@ -231,6 +256,81 @@ def test_derive_leaves_a_dead_member_out_and_takes_a_spare_in_without_connecting
     finally:
         for p in peers:
             ray_session.kill(p, no_restart=True)
+
+
+def _derive_around_a_member_killed_mid_allreduce(ray, tmp_path) -> str | None:
+    """One try of the test below: None when every step completed, else what hung or failed."""
+    Peer = _peer_class(ray)
+    env = {"env_vars": MPIConfig().environment(multi_host=False)}  # fit's MPI settings on one host
+    peers = [Peer.options(runtime_env=env).remote() for _ in range(4)]
+    fresh = Peer.options(runtime_env=env).remote()
+    ray.get([p.__ray_ready__.remote() for p in [*peers, fresh]])
+    try:
+        comm.form(peers[:3], timeout_s=60)
+        port = ray.get(peers[3].mpi_open_port.remote())
+        joined = [p.mpi_join_standby.remote(port, False) for p in peers[:3]] + [
+            peers[3].mpi_join_standby.remote(port, True)
+        ]
+        assert ray.get(joined, timeout=60) == [0, 1, 2, 3]
+        pids = ray.get([p.pid.remote() for p in peers])
+        started = [tmp_path / f"started-{r}" for r in range(3)]
+        loops = [p.sum_until_aborted.remote(6.0, str(started[r])) for r, p in enumerate(peers[:3])]
+        deadline = time.monotonic() + 30
+        while not all(f.exists() for f in started) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(f.exists() for f in started), "the three members never summed"
+        os.kill(pids[1], signal.SIGKILL)  # in the middle of a 1 MB allreduce
+        for done, ended_by in ray.get([loops[0], loops[2]], timeout=60):
+            assert done >= 1 and ended_by, (done, ended_by)
+        try:  # survivors first, then the spare; the dead member takes no part
+            members = comm.derive(peers, alive=[0, 2, 3], members=[0, 1, 2], timeout_s=15)
+        except FormationError as exc:
+            return f"derive: {exc}"
+        assert [(r, s) for r, s, _ in members] == [(0, 3), (1, 3), (2, 3)]
+        _assert_sums(ray, [peers[0], peers[2], peers[3]])
+        # A new spare joins the standby communicator, which no longer holds the dead member, and trains next time.
+        standby = [peers[0], peers[2], peers[3]]
+        port = ray.get(fresh.mpi_open_port.remote())
+        joined = [p.mpi_join_standby.remote(port, False) for p in standby] + [fresh.mpi_join_standby.remote(port, True)]
+        assert ray.get(joined, timeout=60) == [0, 1, 2, 3]
+        try:
+            members = comm.derive([*standby, fresh], alive=[0, 1, 2, 3], members=[0, 1, 3], timeout_s=15)
+        except FormationError as exc:
+            return f"second derive: {exc}"
+        assert [(r, s) for r, s, _ in members] == [(0, 3), (1, 3), (2, 3)]
+        _assert_sums(ray, [peers[0], peers[2], fresh])
+        return None
+    finally:
+        for p in [*peers, fresh]:
+            ray.kill(p, no_restart=True)
+
+
+def _assert_sums(ray, group) -> None:
+    results = ray.get([p.reduce.remote(_inputs(r), 1 << 20) for r, p in enumerate(group)], timeout=60)
+    expected = {k: sum(_inputs(r)[k].double().numpy() for r in range(len(group))) for k in _inputs(0)}
+    for out, _ in results:
+        for key, tensor in out.items():
+            np.testing.assert_array_equal(tensor.double().numpy(), expected[key])
+
+
+def test_derive_around_a_member_killed_mid_allreduce_then_a_new_spare_joins(ray_session, tmp_path):
+    """fit's warm path in MPI terms, under fit's one-host MPI settings: three members and a hot spare share the
+    standby communicator; member 1 is SIGKILLed while the three sum 1 MB buffers; the survivors abandon the
+    collective, derive a communicator with the spare (``MPI_Comm_create_group`` with the dead member in the
+    parent) on which the first sums are exact, and a new spare joins the standby communicator and trains in the
+    next derivation.
+
+    MPICH over UCX hung in ``create_group`` after a peer died mid-collective once in CI (both survivors past 15 s),
+    which is why fit's derivation has a deadline and falls back to a cold restart; so the property is that one of
+    three tries completes every step."""
+    failures = []
+    for attempt in range(3):
+        (tmp_path / str(attempt)).mkdir()
+        failure = _derive_around_a_member_killed_mid_allreduce(ray_session, tmp_path / str(attempt))
+        if failure is None:
+            return
+        failures.append(failure)
+    pytest.fail("no try completed every step: " + "; ".join(failures))
 
 
 def test_member_that_never_connects_hits_the_deadline(ray_session):

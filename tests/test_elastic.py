@@ -140,13 +140,16 @@ def _when_checkpoint(folder: pathlib.Path, step: int, action, timeout: float = 1
     return thread
 
 
-def _when_logged(text: str, action) -> logging.Handler:
-    """Run ``action()`` (in a thread of its own) once the driver logs a line containing ``text``."""
+def _when_logged(text: str, action, times: int = 1) -> logging.Handler:
+    """Run ``action()`` (in a thread of its own) each of the first ``times`` times the driver logs a line containing
+    ``text``; ``handler.fired`` counts them."""
 
     class Trigger(logging.Handler):
+        fired = 0
+
         def emit(self, record: logging.LogRecord) -> None:
-            if text in record.getMessage() and not getattr(self, "fired", False):
-                self.fired = True
+            if text in record.getMessage() and self.fired < times:
+                self.fired += 1
                 threading.Thread(target=action, daemon=True).start()
 
     handler = Trigger(logging.INFO)
@@ -505,20 +508,22 @@ def test_cluster_below_min_workers(cluster, tmp_path):
     assert raympi.load_checkpoint(str(folder)).step.item() >= 20
 
 
-def test_a_hot_spare_takes_a_killed_workers_place(cluster, uninterrupted, tmp_path):
-    """Two workers on three one-CPU nodes: the third CPU holds a hot spare.  Once it has joined the
-    standby communicator, a worker is killed: the spare takes its place with no new MPI connection."""
+def test_hot_spares_take_killed_workers_places_twice_in_a_row(cluster, uninterrupted, tmp_path):
+    """Two workers on three one-CPU nodes: the third CPU holds a hot spare.  Each time a spare has joined the
+    standby communicator a worker is killed, twice: each time a spare takes its place with no new MPI connection
+    (the second spare started after the first restart and joined the standby communicator derived then)."""
     folder = tmp_path / "ck"
-    handler = _when_logged("is standby rank", lambda: _signal_one_worker(signal.SIGKILL))
-    try:  # paced at 60 ms a step: the spare starts and joins long before the last step, on any machine
-        result = raympi.fit(_net(0.06), _data(), workers=2, checkpoint_dir=str(folder), **OPTIONS)
+    handler = _when_logged("is standby rank", lambda: _signal_one_worker(signal.SIGKILL), times=2)
+    try:  # paced at 100 ms a step: both spares start and join long before the last step, on any machine
+        result = raympi.fit(_net(0.1), _data(), workers=2, checkpoint_dir=str(folder), **OPTIONS)
     finally:
         logging.getLogger("raympi").removeHandler(handler)
-    record = result.restarts[0]
-    assert [r["kind"] for r in result.restarts] == ["worker_lost"], result.restarts
-    assert record["path"] == "warm" and record["spare"] is True and record["world_after"] == 2, record
-    assert record["reformed"] == "derived", record  # from the standby communicator: no new connection
-    assert record["steps_lost"] == 0 and {"detect_s", "reform_s", "first_step_s", "recovery_s"} <= set(record)
+    assert handler.fired == 2
+    assert [r["kind"] for r in result.restarts] == ["worker_lost", "worker_lost"], result.restarts
+    for record in result.restarts:
+        assert record["path"] == "warm" and record["spare"] is True and record["world_after"] == 2, record
+        assert record["reformed"] == "derived", record  # from the standby communicator: no new connection
+        assert record["steps_lost"] == 0 and {"detect_s", "reform_s", "first_step_s", "recovery_s"} <= set(record)
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
 
 

@@ -338,7 +338,7 @@ def test_regression_reports_no_accuracy(ray_session, tmp_path):
 
 def test_cpu_workers_run_with_one_malloc_arena(ray_session, tmp_path):
     """The workers' step runs on a Ray thread, to which glibc's default gives an arena it shrinks on free
-    (thousands of page faults a step, benchmarks/malloc_arenas.py): workers take MALLOC_ARENA_MAX=1 (and
+    (thousands of page faults a step, benchmarks/RESULTS.md): workers take MALLOC_ARENA_MAX=1 (and
     the trim and mmap thresholds) as they start, read here by a metric evaluated on each worker."""
     x, y = torch.randn(64, 3), torch.randn(64, 1)
     arenas = {"arena_max": lambda out, t: torch.tensor(float(os.environ.get("MALLOC_ARENA_MAX", "-1")))}

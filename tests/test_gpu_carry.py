@@ -1,4 +1,4 @@
-"""benchmarks/gpu_carry.py: the slimmed Ray wheel still runs Ray, and the GPU machine's carry fits.
+"""tools/gpu_carry.py: the slimmed Ray wheel still runs Ray, and the GPU machine's carry fits.
 
 The two download cases are slow (PyPI through pip's cache: ~80 MB the first time, seconds after);
 the synthetic wheel case runs in the default suite.
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gpu_carry():
-    spec = importlib.util.spec_from_file_location("gpu_carry", ROOT / "benchmarks" / "gpu_carry.py")
+    spec = importlib.util.spec_from_file_location("gpu_carry", ROOT / "tools" / "gpu_carry.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -230,7 +230,7 @@ def _probe(python: Path, env: dict[str, str]) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_run_on_a_simulated_image(tmp_path: Path) -> None:
-    """``bash benchmarks/gpu_run.sh --cpu`` end to end in an environment shaped like the GPU machine's: ``python3``
+    """``bash tools/gpu_run.sh --cpu`` end to end in an environment shaped like the GPU machine's: ``python3``
     first on PATH is a venv's interpreter holding torch, numpy and mpi4py only (no Ray, pydantic or mpich, and
     not the base interpreter's pydantic and numpy either), the carry is built here for this Python, pip finds
     nothing but the carry (no index, no pip configuration).  Every stage of gpu_check runs ok, and afterwards
@@ -256,7 +256,7 @@ def test_gpu_run_on_a_simulated_image(tmp_path: Path) -> None:
     assert not any("pyenv" in p and "site-packages" in p for p in before["sys.path"]), before
 
     proc = subprocess.run(
-        ["bash", "benchmarks/gpu_run.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=780
+        ["bash", "tools/gpu_run.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=780
     )
     log = proc.stdout + proc.stderr
     report = tmp_path / "out" / "gpu_check_cpu.json"

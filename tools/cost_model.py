@@ -14,12 +14,12 @@ on one node and at 1,024 GPUs (128 nodes of 8), through
 
 plus the driver's CPU per step and a checkpoint's blocked time.  Every figure is a range: the
 fast end evaluates the model with each constant's favourable end, the slow end with the other.
-Each constant says where it comes from: *measured* on this 2-core machine (benchmarks/README.md),
+Each constant says where it comes from: *measured* on this 2-core machine (benchmarks/README.md and docs/benchmarks.md),
 *published* (vendor specs, nccl-tests results), or *assumed*.
 
-    python benchmarks/cost_model.py            # the markdown table (benchmarks/README.md, "Cost model")
-    python benchmarks/cost_model.py --json     # rows and constants as JSON
-    python benchmarks/cost_model.py --measure  # also time np.add of float32 here (the CPU sum rate)
+    python tools/cost_model.py            # the markdown table (tools/README.md, "Cost model")
+    python tools/cost_model.py --json     # rows and constants as JSON
+    python tools/cost_model.py --measure  # also time np.add of float32 here (the CPU sum rate)
 
 Time of one bucket of b bytes over N ranks (nccl-tests' definition: busbw = algbw x 2(N-1)/N,
 so a measured busbw gives the time directly):

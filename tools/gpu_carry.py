@@ -1,16 +1,16 @@
-"""The wheels a lent GPU machine needs for ``benchmarks/gpu_check.py``, small enough to travel with the repo.
+"""The wheels a lent GPU machine needs for ``tools/gpu_check.py``, small enough to travel with the repo.
 
 The GPU machine (1 x H200, Python 3.12, torch, mpi4py, CuPy and numpy preinstalled) has no network,
 no Ray, no pydantic and no ``mpich`` wheel, and at most 64 MiB travel per call: the repo's working
 tree plus the "carry" paths.  Ray's wheel alone is ~79 MB, so this script
 
   1. ``pip download``s (binary only, for ``--python-version``, manylinux x86_64) into
-     ``benchmarks/out/carry/wheels/``: ``ray==<the version installed here>`` without its
+     ``tools/out/carry/wheels/``: ``ray==<the version installed here>`` without its
      dependencies, then Ray's core runtime dependencies (its METADATA's ``Requires-Dist`` lines
      without an extra) with theirs, pydantic 2 with its own, and ``mpich>=4.3,<5`` (MPICH 5 breaks
      connect/accept between singletons, see the README), every version pinned to the one installed
      here where there is one (the combination the tests run);
-  2. downloads into ``benchmarks/out/carry/fallback/`` what ``gpu_run.sh`` installs only when the
+  2. downloads into ``tools/out/carry/fallback/`` what ``gpu_run.sh`` installs only when the
      machine's own copy does not work: ``mpi4py`` (when the preinstalled one cannot load the
      carried MPICH) and ``torchvision`` for ``--torch`` (the ResNet-18 stage; ``--no-deps``);
   3. slims the Ray wheel in place (:func:`slim_wheel`): drops what raympi never loads (the Java
@@ -20,10 +20,10 @@ tree plus the "carry" paths.  Ray's wheel alone is ~79 MB, so this script
   4. prints each wheel's size (Ray's before and after slimming) and the total, and exits 1 when
      the carry exceeds 64 MiB minus the repo's working tree minus a 2 MiB margin.
 
-    .venv/bin/python benchmarks/gpu_carry.py                    # cp312 carry for the GPU machine
-    .venv/bin/python benchmarks/gpu_carry.py --python-version 3.11 --dest /tmp/carry311   # one to try here
+    .venv/bin/python tools/gpu_carry.py                    # cp312 carry for the GPU machine
+    .venv/bin/python tools/gpu_carry.py --python-version 3.11 --dest /tmp/carry311   # one to try here
 
-Then on the GPU machine: ``bash benchmarks/gpu_run.sh`` with carry ``["benchmarks/out/carry"]``.
+Then on the GPU machine: ``bash tools/gpu_run.sh`` with carry ``["tools/out/carry"]``.
 pip keeps its downloads in its HTTP cache, so a second run costs seconds.
 """
 
@@ -46,7 +46,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DEST = ROOT / "benchmarks" / "out" / "carry"
+DEFAULT_DEST = ROOT / "tools" / "out" / "carry"
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 MiB = 1 << 20
 TRAVEL_LIMIT = 64 * MiB  # what one call of the device tool carries: working tree + carry paths

@@ -1,6 +1,6 @@
 """raympi on a GPU machine, checked and timed in one run (under 4 minutes, Ray's start included).
 
-Meant for one run on a 1 x H100/H200 (16 cores) machine, through ``benchmarks/gpu_run.sh`` (one device call of
+Meant for one run on a 1 x H100/H200 (16 cores) machine, through ``tools/gpu_run.sh`` (one device call of
 at most 5 minutes with the setup); ``--cpu`` (automatic without CUDA) runs the very same code paths on CPU
 workers with tiny sizes, so the script is known not to crash before it gets its one GPU run.
 
@@ -37,11 +37,11 @@ stage writes its rows as it goes, so a stopped one still reports what it finishe
             tree path and the bucket path), NCCL at world size 1 (one GPU: the most NCCL can do here).
 
 Prints one table per stage and writes everything as JSON to $OUT/gpu_check.json when OUT is set,
-else to benchmarks/out/gpu_check.json (gpu_check_cpu.json with --cpu), after every stage.
+else to tools/out/gpu_check.json (gpu_check_cpu.json with --cpu), after every stage.
 
-    python benchmarks/gpu_check.py            # on the GPU machine (bash benchmarks/gpu_run.sh sets it up)
-    python benchmarks/gpu_check.py --cpu      # here: the same paths on CPU, tiny sizes
-    python benchmarks/gpu_check.py --cpu --stages parity,env --limit parity=3   # parity stopped at 3 s, env runs
+    python tools/gpu_check.py            # on the GPU machine (bash tools/gpu_run.sh sets it up)
+    python tools/gpu_check.py --cpu      # here: the same paths on CPU, tiny sizes
+    python tools/gpu_check.py --cpu --stages parity,env --limit parity=3   # parity stopped at 3 s, env runs
 
 NCCL at world size 1 only: NCCL refuses two ranks on one GPU, and the lent machine has one.  The workers (and
 this script's own ranks) run with raympi's NCCL error handling (``raympi.driver.group.NCCL_ENV``).
@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common: what the benchmarks share
 
 import raympi  # noqa: E402
 from raympi import comm  # noqa: E402

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one command for a lent GPU machine, run from the repo root there (device call: carry
-# ["benchmarks/out/carry"], timeout_s 300; benchmarks/README.md, "GPU check"):
+# ["tools/out/carry"], timeout_s 300; tools/README.md, "GPU check"):
 #
-#     bash benchmarks/gpu_run.sh [gpu_check.py options]
+#     bash tools/gpu_run.sh [gpu_check.py options]
 #
 # The machine: python3 is a venv's interpreter (/opt/torch/.venv, Python 3.12) holding torch, numpy, mpi4py and
-# CuPy; no Ray, pydantic or mpich wheel; no network; root.  `benchmarks/gpu_carry.py` made benchmarks/out/carry
+# CuPy; no Ray, pydantic or mpich wheel; no network; root.  `tools/gpu_carry.py` made tools/out/carry
 # here (wheels/: a slimmed Ray, its dependencies, pydantic, mpich; fallback/: mpi4py, matplotlib, ...).  This script
 #   1. writes down what it sees (the interpreter, sys.path, where torch, numpy, CuPy and mpi4py load from, every
 #      installed distribution) in $OUT/gpu_setup.txt;
@@ -25,14 +25,14 @@
 #   6. runs gpu_check.py "$@" in what is left of GPU_RUN_LIMIT_S (280 s).
 # A setup that fails exits 2 at once (within GPU_RUN_SETUP_S, 60 s, if something hangs), having said why; what it
 # saw stays in $OUT (gpu_run.log: everything; gpu_setup.txt: the interpreter, pip's output, the versions).
-# Environment: PYTHON (default python3), CARRY (default benchmarks/out/carry), OUT (default benchmarks/out/gpu_run).
+# Environment: PYTHON (default python3), CARRY (default tools/out/carry), OUT (default tools/out/gpu_run).
 set -uo pipefail
 began=$SECONDS
 total_limit_s=${GPU_RUN_LIMIT_S:-280}
 setup_limit_s=${GPU_RUN_SETUP_S:-60}
-CARRY=${CARRY:-benchmarks/out/carry}
+CARRY=${CARRY:-tools/out/carry}
 PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
-LOG_DIR=${OUT:-benchmarks/out/gpu_run}
+LOG_DIR=${OUT:-tools/out/gpu_run}
 mkdir -p "$LOG_DIR"
 exec > >(tee -a "$LOG_DIR/gpu_run.log") 2>&1
 SETUP="$LOG_DIR/gpu_setup.txt"
@@ -66,12 +66,12 @@ pip_install() {
 
 [[ -x "$PYTHON" ]] || fail "no python3 on PATH"
 PY=$PYTHON
-[[ -d "$CARRY/wheels" ]] || fail "no $CARRY/wheels: run benchmarks/gpu_carry.py here first and carry benchmarks/out/carry"
+[[ -d "$CARRY/wheels" ]] || fail "no $CARRY/wheels: run tools/gpu_carry.py here first and carry tools/out/carry"
 want=$(sed -n 's/.*"python_version": "\([0-9.]*\)".*/\1/p' "$CARRY/carry.json" 2>/dev/null)
 have=$(limited "$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || fail "$PY does not run"
 say "python $have ($PY); carry built for ${want:-?}"
 [[ -z "$want" || "$want" == "$have" ]] ||
-    fail "the carry is for Python $want, this is $have: benchmarks/gpu_carry.py --python-version $have"
+    fail "the carry is for Python $want, this is $have: tools/gpu_carry.py --python-version $have"
 
 # 1. what is there, before anything is installed
 note "the interpreter, before"
@@ -239,8 +239,8 @@ say "set up in $((SECONDS - began)) s"
 
 # 6. the check, within what is left
 left=$((total_limit_s - (SECONDS - began)))
-say "running benchmarks/gpu_check.py --budget $((left - 10)) $* (stopped at ${left} s)"
-timeout -k 5 "$left" "$PY" benchmarks/gpu_check.py --budget $((left - 10)) "$@"
+say "running tools/gpu_check.py --budget $((left - 10)) $* (stopped at ${left} s)"
+timeout -k 5 "$left" "$PY" tools/gpu_check.py --budget $((left - 10)) "$@"
 rc=$?
 if [[ $rc -eq 124 || $rc -eq 137 ]]; then
     say "gpu_check ran past ${left} s (rc $rc); stopping Ray's processes"

@@ -1,9 +1,9 @@
 """Where a command's CPU time goes, by kind of process: Ray's workers (by the title they last had), raylets, the GCS,
 the dashboard and agents, pytest, torchrun ranks, benchmark scripts, pip...
 
-    python benchmarks/suite_cpu.py -- .venv/bin/python -m pytest -q -p no:cacheprovider
-    python benchmarks/suite_cpu.py --quick     # a smoke run: the command is `python -c "import torch"`
-    python benchmarks/suite_cpu.py --by RAYMPI_TEST_MODULE -- ...   # and a second table, by that variable
+    python tools/suite_cpu.py -- .venv/bin/python -m pytest -q -p no:cacheprovider
+    python tools/suite_cpu.py --quick     # a smoke run: the command is `python -c "import torch"`
+    python tools/suite_cpu.py --by RAYMPI_TEST_MODULE -- ...   # and a second table, by that variable
 
 Every process on the machine is sampled from /proc every 0.3 s while the command runs (so run nothing else
 meanwhile); a process counts with its user + system time at the last sample that saw it, less what it had used
@@ -74,9 +74,9 @@ def kind_of(pid: int) -> str | None:
     for needle, kind in NAMED:
         if needle in line:
             return kind
-    script = re.search(r"benchmarks/(\w+\.py)", line)
+    script = re.search(r"(benchmarks|tools)/(\w+\.py)", line)
     if script:
-        return f"benchmarks/{script.group(1)}"
+        return f"{script.group(1)}/{script.group(2)}"
     return "python (other)" if "python" in os.path.basename(argv[0]) else os.path.basename(argv[0])
 
 

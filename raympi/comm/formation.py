@@ -25,7 +25,7 @@ communicator, and the communicator it trains on is a duplicate of it.  A hot spa
 communicator ahead of need (:meth:`Member.mpi_join_standby`, one connect round); after a failure,
 :func:`derive` makes the new training communicator out of the standby one with
 ``MPI_Comm_create_group``, which is collective over the new group only, so the dead never take part
-and no new connection is opened (``benchmarks/standby_experiment.py`` measured it: 10-20 ms).
+and no new connection is opened (10-20 ms for 4 members: benchmarks/RESULTS.md, "Recovery without connecting").
 """
 
 from __future__ import annotations
