@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -84,14 +85,40 @@ def test_sharded_fit_ends_where_the_unsharded_one_does(unsharded, tmp_path, work
 def test_a_sharded_run_resumes_at_another_world_size(unsharded, tmp_path):
     _fit(tmp_path, "parts", workers=3, shard_optimizer=True, max_steps=6, checkpoint_every=3)
     assert sorted(p.name for p in (tmp_path / "parts").glob("step-*"))[-1] == "step-00000006"
+    # every rank wrote its own file; the manifest lists them; only rank 0's holds the parameters
+    newest = tmp_path / "parts" / "step-00000006"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
+    assert manifest["written_by"] == "3 ranks" and not (newest / "state.pt").exists()
+    assert torch.load(newest / "shard-00001.pt", weights_only=True)["params"] == {}
     whole = raympi.load_checkpoint(str(tmp_path / "parts"))  # a whole TrainState, as unsharded
     assert not isinstance(whole.opt_state, optim.ShardedState)
+    assert int(whole.step) == 6
     resumed = _fit(tmp_path, "parts", workers=2, shard_optimizer=True, resume=True)
     assert [m["world_size"] for m in resumed.metrics][5:7] == [3, 2]
     assert _max_diff(resumed.state.params, unsharded.state.params) <= 1e-5
     # and an unsharded run resumes from a sharded run's checkpoint
     plain = _fit(tmp_path, "parts", workers=2, resume=True, max_steps=16)
     assert _max_diff(plain.state.params, unsharded.state.params) <= 1e-5
+
+
+def test_a_damaged_slice_file_falls_back_to_the_previous_checkpoint(tmp_path, ray_session):
+    _fit(tmp_path, "parts", workers=2, shard_optimizer=True, max_steps=4, checkpoint_every=2)
+    part = tmp_path / "parts" / "step-00000004" / "shard-00001.pt"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="checksum mismatch in shard-00001.pt"):
+        state = raympi.load_checkpoint(str(tmp_path / "parts"))
+    assert int(state.step) == 2
+
+
+def test_without_direct_writes_the_driver_writes_the_joined_state(tmp_path, ray_session):
+    _fit(
+        tmp_path, "one", workers=2, shard_optimizer=True, max_steps=2, checkpoint_every=2, direct_checkpoint_bytes=None
+    )
+    assert (tmp_path / "one" / "step-00000002" / "state.pt").exists()
+    assert not isinstance(raympi.load_checkpoint(str(tmp_path / "one")).opt_state, optim.ShardedState)
 
 
 def test_options_that_do_not_combine_are_refused(ray_session):

@@ -35,12 +35,20 @@ import ray
 import torch
 
 from raympi.core import pytree
-from raympi.core.shard import join_states
 from raympi.core.state import TrainState
 from raympi.driver.checkpoint_direct import DirectRequest, await_write, not_shared
 from raympi.driver.checkpoint_folders import _IN_FLIGHT, AtomicFolders, _remove
 from raympi.exceptions import ConfigError, WorkerLostError
-from raympi.worker.checkpoint_io import StoredState, fs_of, is_local as _is_local, read_checkpoint as _read, verify
+from raympi.worker.checkpoint_io import (
+    StoredState,
+    fs_of,
+    is_local as _is_local,
+    join_trees,
+    read_checkpoint as _read,
+    shard_file,
+    shards_digest,
+    verify,
+)
 
 __all__ = ["CheckpointStore", "load_checkpoint", "CORRUPT_WARNING"]
 
@@ -65,7 +73,7 @@ class CheckpointStore(AtomicFolders):
         self.direct_bytes = direct_bytes
         self.received_bytes = 0  # state bytes the driver fetched from rank 0 (none for direct writes)
         self.fs, self._path = fs_of(root)
-        self._requested: dict[str, DirectRequest] = {}  # asked of rank 0, not yet handed to save_async
+        self._requested: dict[str, Any] = {}  # asked of the ranks (a DirectRequest, or a list), not yet saved
         self._seq, self._warned = 0, False
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority
@@ -96,14 +104,33 @@ class CheckpointStore(AtomicFolders):
         :meth:`save_async`)."""
         if self.direct_bytes is None:
             return actor.state_dict.remote()
+        tmp, url = self._temporary(step)
+        self._requested[tmp] = request = DirectRequest(actor, actor.checkpoint.remote(url, self.direct_bytes), tmp, url)
+        return request
+
+    def request_shards(self, actors: list[Any], step: int) -> Any:
+        """``shard_optimizer``: ask every rank for its part of the state after ``step``.  With ``direct_bytes``
+        set, each rank writes its own file into one temporary folder, in parallel, whatever its size (a list
+        of :class:`DirectRequest`); otherwise the parts are joined in a task beside the workers (an object
+        ref of the whole state).  Pass either to :meth:`save_async`."""
+        if self.direct_bytes is None:
+            return join_shards.remote(*[a.state_dict.remote() for a in actors])
+        tmp, url = self._temporary(step)
+        requests = [
+            DirectRequest(a, a.checkpoint.remote(url, 0, shard_file(rank)), tmp, url, rank)
+            for rank, a in enumerate(actors)
+        ]
+        self._requested[tmp] = requests
+        return requests
+
+    def _temporary(self, step: int) -> tuple[str, str]:
+        """A new temporary folder for the checkpoint of ``step``: its path here, and its URL for the workers."""
         self._seq += 1
         tmp = posixpath.join(self._path, f".step-{step:08d}.tmp-{os.getpid()}-{self._seq}")
         _IN_FLIGHT.add(tmp)
         with contextlib.suppress(OSError):  # rank 0 then cannot see it and hands the state over instead
             self.fs.makedirs(tmp, exist_ok=True)
-        url = tmp if _is_local(self.root) else self.fs.unstrip_protocol(tmp)
-        self._requested[tmp] = request = DirectRequest(actor, actor.checkpoint.remote(url, self.direct_bytes), tmp, url)
-        return request
+        return tmp, tmp if _is_local(self.root) else self.fs.unstrip_protocol(tmp)
 
     def abandon_unsaved(self) -> None:
         """Drop the requests that will never be saved (the steps before them failed): their folders go."""
@@ -118,8 +145,8 @@ class CheckpointStore(AtomicFolders):
         Once the checkpoint is on disk, ``(path, step, state)`` is queued for :meth:`drain_saved`
         (``state`` a :class:`StoredState` when rank 0 wrote it).
         """
-        if isinstance(state, DirectRequest):
-            self._requested.pop(state.tmp, None)
+        if isinstance(state, (DirectRequest, list)):
+            self._requested.pop(state.tmp if isinstance(state, DirectRequest) else state[0].tmp, None)
         future = self._writer.submit(self._save_ref, state, manifest)
         self._pending.append(future)
         return future
@@ -132,6 +159,8 @@ class CheckpointStore(AtomicFolders):
     def _save_ref(self, state: Any, manifest: dict[str, Any]) -> str | None:
         if isinstance(state, DirectRequest):
             return self._save_direct(state, manifest)
+        if isinstance(state, list):
+            return self._save_shards(state, manifest)
         if not isinstance(state, dict):
             state = self._fetch(state, manifest)
         try:
@@ -199,6 +228,51 @@ class CheckpointStore(AtomicFolders):
         self._saved.put((path, step, StoredState(path, manifest["sha256"], manifest["bytes"])))
         return path
 
+    def _save_shards(self, requests: list[DirectRequest], manifest: dict[str, Any]) -> str | None:
+        """Commit the files every rank writes into one temporary folder; where a rank cannot see it, the parts
+        are joined here and written as one state."""
+        step, tmp = int(manifest["step"]), requests[0].tmp
+        try:
+            snapshots = [self._fetch_snapshot(r, manifest) for r in requests]
+            statuses = [
+                await_write(r, step, self.fetch_timeout_s) if s.folder else None for r, s in zip(requests, snapshots)
+            ]
+            if any(s.folder is None for s in snapshots):  # storage not shared with every rank
+                parts = [
+                    pytree.from_arrays(s.arrays) if s.folder is None else _read_file(self.fs, tmp, shard_file(r.rank))
+                    for r, s in zip(requests, snapshots)
+                ]
+                self._forget(tmp)
+                whole = join_trees(parts)
+                path = self.save(whole, manifest)
+                self._saved.put((path, step, whole))
+                return path
+            shards = [
+                {"file": shard_file(r.rank), "sha256": st["sha256"], "bytes": st["bytes"]}
+                for r, st in zip(requests, statuses)
+                if st is not None
+            ]
+            manifest = {
+                **manifest,
+                "shards": shards,
+                "sha256": shards_digest(shards),
+                "bytes": sum(s["bytes"] for s in shards),
+                "written_by": f"{len(shards)} ranks",
+                "blocked_s": max(s.blocked_s for s in snapshots),
+                "write_s": max(st["write_s"] for st in statuses if st is not None),
+            }
+            path = self._commit(manifest, tmp=tmp)
+        except WorkerLostError as exc:  # that checkpoint is lost with the rank; the previous one stays
+            self._forget(tmp)
+            self._lost.put(f"checkpoint step-{step:08d} not written: {exc}; {self._still()}; training goes on")
+            return None
+        except OSError as exc:
+            self._forget(tmp)
+            self._lost.put(f"{self._why_lost(f'step-{step:08d}', exc, manifest.get('bytes', 0))}; training goes on")
+            return None
+        self._saved.put((path, step, StoredState(path, manifest["sha256"], manifest["bytes"])))
+        return path
+
     def _fetch_snapshot(self, request: DirectRequest, manifest: dict[str, Any]) -> Any:
         import ray
 
@@ -206,10 +280,11 @@ class CheckpointStore(AtomicFolders):
             return ray.get(request.ref, timeout=self.fetch_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise WorkerLostError(
-                f"rank 0 did not answer the checkpoint request within {self.fetch_timeout_s:g} s (startup_timeout_s)"
+                f"rank {request.rank} did not answer the checkpoint request within {self.fetch_timeout_s:g} s "
+                "(startup_timeout_s)"
             ) from None
         except ray.exceptions.RayActorError as exc:
-            raise WorkerLostError(f"rank 0 was lost ({type(exc).__name__})") from None
+            raise WorkerLostError(f"rank {request.rank} was lost ({type(exc).__name__})") from None
 
     def _forget(self, tmp: str) -> None:
         _remove(self.fs, tmp)
@@ -275,6 +350,11 @@ class CheckpointStore(AtomicFolders):
         return None
 
 
+def _read_file(fs: Any, folder: str, name: str) -> dict[str, Any]:
+    with fs.open(posixpath.join(folder, name), "rb") as f:
+        return torch.load(io.BytesIO(f.read()), weights_only=True)  # type: ignore[no-any-return]
+
+
 def _drain(messages: queue.SimpleQueue) -> list[Any]:
     out = []
     while True:
@@ -298,8 +378,7 @@ def join_shards(*parts: Any) -> Any:
 
     A task beside the workers (no CPU of theirs), so the driver and the checkpoint writer see one state, as
     from rank 0 unsharded."""
-    states = [TrainState.from_dict(pytree.from_arrays(p)) for p in parts]
-    return pytree.to_arrays(join_states(states).to_dict())
+    return pytree.to_arrays(join_trees([pytree.from_arrays(p) for p in parts]))
 
 
 def load_checkpoint(path: str) -> Any:
@@ -313,8 +392,6 @@ def load_checkpoint(path: str) -> Any:
         >>> state = raympi.load_checkpoint("runs/mnist/step-00000900")  # doctest: +SKIP
         >>> model.load_state_dict({**state.params, **state.buffers})  # doctest: +SKIP
     """
-    from raympi.core.state import TrainState
-
     fs, folder = fs_of(path)
     one = posixpath.basename(path.rstrip("/")).startswith("step-") or fs.exists(posixpath.join(folder, "manifest.json"))
     store = CheckpointStore(path) if not one else None

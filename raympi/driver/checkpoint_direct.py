@@ -30,12 +30,14 @@ class DirectRequest:
         ref: the object ref of its :class:`~raympi.worker.checkpoint_io.Snapshot`.
         tmp: the temporary folder, as a path in the store's file system.
         url: the same folder as rank 0 opens it (a local path or an fsspec URL).
+        rank: the rank asked (``shard_optimizer``: every rank writes its own file into ``tmp``).
     """
 
     actor: Any
     ref: Any
     tmp: str
     url: str
+    rank: int = 0
 
 
 def await_write(request: DirectRequest, step: int, timeout_s: float) -> dict[str, Any]:
@@ -59,23 +61,26 @@ def await_write(request: DirectRequest, step: int, timeout_s: float) -> dict[str
             )
         except ray.exceptions.GetTimeoutError:
             raise WorkerLostError(
-                f"rank 0 did not answer about its checkpoint of step {step} within {timeout_s:g} s (startup_timeout_s)"
+                f"rank {request.rank} did not answer about its checkpoint of step {step} within {timeout_s:g} s "
+                "(startup_timeout_s)"
             ) from None
         except ray.exceptions.RayActorError as exc:
             raise WorkerLostError(
-                f"rank 0 was lost while writing the checkpoint of step {step} ({type(exc).__name__})"
+                f"rank {request.rank} was lost while writing the checkpoint of step {step} ({type(exc).__name__})"
             ) from None
         if status["done"]:
             if status.get("storage"):
                 raise OSError(status.get("errno"), status["error"])
             if status["error"]:
-                raise RuntimeError(f"rank 0 could not write the checkpoint of step {step}: {status['error']}")
+                raise RuntimeError(
+                    f"rank {request.rank} could not write the checkpoint of step {step}: {status['error']}"
+                )
             return status
         if status["written"] != last:
             last, since = status["written"], time.monotonic()
         elif time.monotonic() - since > timeout_s:
             raise WorkerLostError(
-                f"rank 0's write of the checkpoint of step {step} made no progress for {timeout_s:g} s "
+                f"rank {request.rank}'s write of the checkpoint of step {step} made no progress for {timeout_s:g} s "
                 "(startup_timeout_s)"
             )
         time.sleep(pause)

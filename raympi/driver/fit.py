@@ -25,7 +25,7 @@ from raympi.core.state import TrainState
 from raympi.core.step import make_train_step
 from raympi.driver import data, local_ray, report, tune
 from raympi.driver.capacity import worker_bundle
-from raympi.driver.checkpoint import CheckpointStore, join_shards
+from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import FitConfig, parse_config
 from raympi.driver.controller import Controller
 from raympi.driver.pipeline import ChunkPlan, Pipeline
@@ -183,7 +183,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             cfg,
             eval_data.length if eval_data else 0,
             snapshot=(
-                (lambda group, step: join_shards.remote(*[a.state_dict.remote() for a in group.actors]))
+                (lambda group, step: store.request_shards(group.actors, step))
                 if cfg.shard_optimizer
                 else (lambda group, step: store.request(group.actors[0], step))
             ),

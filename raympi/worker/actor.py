@@ -368,11 +368,17 @@ class Worker(comm.Member):
         """:meth:`state_dict` from the health thread, while the main one may be blocked re-forming."""
         return self.state_dict()
 
-    def checkpoint(self, folder: str, min_bytes: int) -> Snapshot:
+    def checkpoint(self, folder: str, min_bytes: int, name: str = "state.pt") -> Snapshot:
         """The state for a checkpoint: of at least ``min_bytes``, copied and written into ``folder`` (a
         temporary folder the driver made) in the background, so that training waits only for the copy;
-        otherwise (or when ``folder`` is not visible here) in the answer, for the driver to write."""
-        snapshot = self.writer.start(self.state.to_dict(), folder, min_bytes)
+        otherwise (or when ``folder`` is not visible here) in the answer, for the driver to write.
+
+        ``name``: the file; with ``shard_optimizer`` every rank writes its own (``shard-00000.pt`` ...): its
+        slice of the optimizer state, and on rank 0 the rest of the state."""
+        state = self._stored()
+        if self.rank and name != "state.pt":  # the parameters and buffers are rank 0's to write
+            state = state.replace(params={}, buffers={})
+        snapshot = self.writer.start(state.to_dict(), folder, min_bytes, name)
         if snapshot.folder is None:
             snapshot.arrays = self.state_dict()
         return snapshot
@@ -388,10 +394,14 @@ class Worker(comm.Member):
         The tensors go as numpy arrays (:func:`raympi.core.pytree.to_arrays`: one copy into the object store).
         On CPU they are the live ones; Ray serializes the return value before the next step runs.
         """
+        return pytree.to_arrays(_tree_to(self._stored(), torch.device("cpu")).to_dict())
+
+    def _stored(self) -> TrainState:
+        """The state as a checkpoint holds it: without the buddy copy of another rank's slice (its owner sends it)."""
         state = self.state
-        if isinstance(state.opt_state, ShardedState) and state.opt_state.buddy:  # (the owner sends that slice)
+        if isinstance(state.opt_state, ShardedState) and state.opt_state.buddy:
             state = state.replace(opt_state=state.opt_state._replace(buddy=()))
-        return pytree.to_arrays(_tree_to(state, torch.device("cpu")).to_dict())
+        return state
 
 
 # glibc's mallopt parameters of the MALLOC_*_ environment variables (malloc.h)

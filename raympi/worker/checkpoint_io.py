@@ -1,7 +1,10 @@
 """Checkpoint files as the driver and rank 0 both write and read them (layer 3; no Ray).
 
 A checkpoint folder holds ``state.pt`` (``torch.save`` of a state tree of plain CPU tensors, read
-with ``weights_only=True``) and ``manifest.json`` (with the SHA-256 and size of ``state.pt``).  The
+with ``weights_only=True``) and ``manifest.json`` (with the SHA-256 and size of ``state.pt``).  With
+``shard_optimizer`` it holds one file per rank instead, ``shard-00000.pt`` ... (rank 0's with the
+parameters), each rank's written by that rank in parallel; the manifest lists them (``shards``: file,
+SHA-256, size) and loading joins them into the whole state, which a new group of any size cuts anew.  The
 driver writes small states itself (:mod:`raympi.driver.checkpoint`).  A large one rank 0 writes
 straight to storage with a :class:`DirectWriter`: it copies its state (the only time training
 waits), and a background thread streams the copy into the temporary folder the driver made,
@@ -34,6 +37,7 @@ __all__ = [
     "fsync_dir",
     "is_local",
     "read_checkpoint",
+    "shard_file",
     "verify",
     "write_state",
 ]
@@ -99,37 +103,71 @@ def write_state(fs: Any, path: str, tree: dict[str, Any], local: bool, progress:
     return out.sha.hexdigest(), out.count
 
 
+def shard_file(rank: int) -> str:
+    """The file rank ``rank`` writes into a checkpoint of a sharded state."""
+    return f"shard-{rank:05d}.pt"
+
+
+def shards_digest(shards: list[dict[str, Any]]) -> str:
+    """The checksum a manifest records for a sharded checkpoint: of its files' checksums, in rank order."""
+    return hashlib.sha256("".join(s["sha256"] for s in shards).encode()).hexdigest()
+
+
+def _files(manifest: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """``(file, sha256, bytes)`` of each state file the manifest lists."""
+    shards = manifest.get("shards")
+    if shards is None:
+        return [("state.pt", manifest.get("sha256", ""), manifest.get("bytes"))]
+    return [(s["file"], s["sha256"], s["bytes"]) for s in shards]
+
+
 def verify(fs: Any, folder: str) -> dict[str, Any]:
-    """The manifest of checkpoint ``folder`` once ``state.pt`` matches its checksum (read in chunks, never whole).
+    """The manifest of checkpoint ``folder`` once its state files match their checksums (read in chunks, never whole).
 
     Raises:
-        ValueError: the checksum differs (a torn or damaged file).
+        ValueError: a checksum differs (a torn or damaged file).
     """
     with fs.open(posixpath.join(folder, "manifest.json"), "rb") as f:
         manifest = json.loads(f.read())
-    sha, size = hashlib.sha256(), 0
-    with fs.open(posixpath.join(folder, "state.pt"), "rb") as f:
-        while chunk := f.read(_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
-    if sha.hexdigest() != manifest.get("sha256"):
-        raise ValueError(f"checksum mismatch ({size} bytes, manifest says {manifest.get('bytes')})")
+    for name, expected, nbytes in _files(manifest):
+        sha, size = hashlib.sha256(), 0
+        with fs.open(posixpath.join(folder, name), "rb") as f:
+            while chunk := f.read(_CHUNK):
+                sha.update(chunk)
+                size += len(chunk)
+        if sha.hexdigest() != expected:
+            raise ValueError(f"checksum mismatch in {name} ({size} bytes, manifest says {nbytes})")
     return manifest
 
 
 def read_checkpoint(fs: Any, folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(manifest, state)`` of checkpoint ``folder``, checksum verified.
+    """``(manifest, state)`` of checkpoint ``folder``, checksum verified (a sharded state joined whole).
 
     Raises:
-        ValueError: the checksum differs.
+        ValueError: a checksum differs.
     """
     with fs.open(posixpath.join(folder, "manifest.json"), "rb") as f:
         manifest = json.loads(f.read())
-    with fs.open(posixpath.join(folder, "state.pt"), "rb") as f:
-        blob = f.read()
-    if hashlib.sha256(blob).hexdigest() != manifest.get("sha256"):
-        raise ValueError(f"checksum mismatch ({len(blob)} bytes, manifest says {manifest.get('bytes')})")
-    return manifest, torch.load(io.BytesIO(blob), weights_only=True)
+    trees = []
+    for name, expected, nbytes in _files(manifest):
+        with fs.open(posixpath.join(folder, name), "rb") as f:
+            blob = f.read()
+        if hashlib.sha256(blob).hexdigest() != expected:
+            raise ValueError(f"checksum mismatch in {name} ({len(blob)} bytes, manifest says {nbytes})")
+        trees.append(torch.load(io.BytesIO(blob), weights_only=True))
+    return manifest, join_trees(trees)
+
+
+def join_trees(trees: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole state (as ``TrainState.to_dict``) from a checkpoint's state files: ``state.pt``'s tree, or
+    every rank's sharded one in rank order."""
+    if len(trees) == 1:
+        return trees[0]
+    from raympi.core.shard import join_states
+    from raympi.core.state import TrainState
+
+    states = [TrainState.from_dict(t) for t in trees]
+    return join_states(states).to_dict()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +195,12 @@ class StoredState:
         try:
             if not is_local(self.url):
                 return read_checkpoint(fs, folder)[1]
-            if verify(fs, folder).get("sha256") != self.sha256:
+            manifest = verify(fs, folder)
+            if manifest.get("sha256") != self.sha256:
                 raise ValueError(f"{self.url} was replaced by another checkpoint of the same step")
-            return torch.load(posixpath.join(folder, "state.pt"), weights_only=True, mmap=True)
+            return join_trees(
+                [torch.load(posixpath.join(folder, f), weights_only=True, mmap=True) for f, _, _ in _files(manifest)]
+            )
         except FileNotFoundError:
             import socket
 
@@ -214,8 +255,8 @@ class DirectWriter:
         self._status: dict[str, dict[str, Any]] = {}
         self._buffers: list[Any] = []  # the copy's tensors, reused: a fresh 1 GB costs its page faults each time
 
-    def start(self, tree: dict[str, Any], folder: str | None, min_bytes: int) -> Snapshot:
-        """Copy ``tree`` and write it into ``folder``'s ``state.pt`` in the background, if it has at least
+    def start(self, tree: dict[str, Any], folder: str | None, min_bytes: int, name: str = "state.pt") -> Snapshot:
+        """Copy ``tree`` and write it into ``folder``'s file ``name`` in the background, if it has at least
         ``min_bytes``; otherwise (or when this process cannot see ``folder``) a :class:`Snapshot` without
         ``folder``: the caller sends the state to the driver."""
         size = state_bytes(tree)
@@ -236,7 +277,10 @@ class DirectWriter:
         status: dict[str, Any] = {"done": False, "error": None, "written": 0, "started": time.time()}
         self._status = dict(list(self._status.items())[-15:]) | {folder: status}  # the driver may ask about older ones
         self._thread = threading.Thread(
-            target=self._write, args=(copy, fs, path, status), daemon=True, name="raympi-direct-checkpoint"
+            target=self._write,
+            args=(copy, fs, posixpath.join(path, name), status),
+            daemon=True,
+            name="raympi-direct-checkpoint",
         )
         self._thread.start()
         return Snapshot(folder=folder, bytes=size, copy_s=done - copied, blocked_s=done - start)
@@ -257,7 +301,7 @@ class DirectWriter:
         self._buffers = old
         return pytree.unflatten(old, spec)
 
-    def _write(self, tree: dict[str, Any], fs: Any, folder: str, status: dict[str, Any]) -> None:
+    def _write(self, tree: dict[str, Any], fs: Any, file: str, status: dict[str, Any]) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # never slow the steps down
         except (AttributeError, OSError):
@@ -266,7 +310,7 @@ class DirectWriter:
         status["progress"] = progress
         try:
             local = "file" in _protocols(fs)
-            sha, size = write_state(fs, posixpath.join(folder, "state.pt"), tree, local, progress)
+            sha, size = write_state(fs, file, tree, local, progress)
             status.update(sha256=sha, bytes=size, write_s=time.time() - status["started"])
         except Exception as exc:  # reported to the driver, which warns and keeps the previous checkpoint
             status["error"] = exc.strerror or str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
