@@ -704,8 +704,8 @@ def reshard_messages(
                     (a, b), (a2, b2) = have[name], want[name]
                     lo, hi = max(a, a2), min(b, b2)
                     if lo < hi:
-                        # (a clone: a view would carry its whole storage)
-                        out[j].append((c, i, lo - a2, leaf[lo - a : hi - a].clone()))
+                        # (a copy on the host: a view would carry its whole storage, a GPU tensor its device)
+                        out[j].append((c, i, lo - a2, leaf[lo - a : hi - a].to("cpu", copy=True)))
     return out
 
 
