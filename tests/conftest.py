@@ -24,6 +24,7 @@ TIERS = {
         "test_cluster_yaml",
         "test_config",
         "test_controller",
+        "test_docs",
         "test_heartbeat",
         "test_layers",
         "test_lint",

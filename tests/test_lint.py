@@ -17,7 +17,7 @@ def test_ruff_check_is_clean():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is not installed: pip install -e '.[test]' installs it"
     done = subprocess.run(
-        [ruff, "check", "--output-format", "concise", "raympi", "tests", "benchmarks", "examples"],
+        [ruff, "check", "--output-format", "concise", "raympi", "tests", "benchmarks", "tools", "examples", "docs"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -39,7 +39,7 @@ def test_ruff_format_is_clean():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is not installed: pip install -e '.[test]' installs it"
     done = subprocess.run(
-        [ruff, "format", "--check", "raympi", "tests", "benchmarks", "examples"],
+        [ruff, "format", "--check", "raympi", "tests", "benchmarks", "tools", "examples", "docs"],
         cwd=ROOT,
         capture_output=True,
         text=True,
