@@ -1,6 +1,6 @@
 """grad_transport: gradients summed over a gloo process group built from the MPI communicator.
 
-The NCCL transport is the same code on CUDA tensors (``benchmarks/gpu_check.py`` runs it where a
+The NCCL transport is the same code on CUDA tensors (``tools/gpu_check.py`` runs it where a
 GPU is lent); gloo runs the whole torch.distributed path here: the rendezvous over MPI, the tree
 and bucket paths, overlap, abort and a rebuild on a new communicator.  In one process (a world of
 one over ``COMM_SELF``), across real MPI ranks (Ray actors), and through ``fit``.

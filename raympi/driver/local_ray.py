@@ -4,8 +4,8 @@ It is ``ray.init(address="local")``'s instance, with one thing moved off the pat
 Ray's log monitor (it forwards the workers' output to the driver) starts once the driver is connected,
 not before the raylet. Started first, it competes for the cores with the raylet and its agents, whose
 registration ``ray.init`` polls once a second: measured 0.8 s off Ray's start inside ``fit`` on 2 cores
-(benchmarks/README.md, "First step"). That takes Ray's ``Node``, which ``ray.cluster_utils`` uses too;
-where a Ray release has none, this is plain ``ray.init``.
+(benchmarks/RESULTS.md). That takes Ray's ``Node``, which ``ray.cluster_utils`` uses too; where a Ray release has
+none, this is plain ``ray.init``.
 """
 
 from __future__ import annotations
