@@ -1,9 +1,10 @@
-"""shard_optimizer: each rank's optimizer-state bytes, peak RSS and step time, sharded against unsharded.
+"""shard_optimizer: per rank optimizer-state bytes, peak RSS and step time; unsharded, sharded, with buddy copies.
 
 An MLP whose AdamW state dominates (default 52M parameters: 4 Linear layers of 3600 x 3600), trained on
 synthetic data by N ranks (Ray actors joined by raympi's MPI communicator, the gradients summed over
-MPI: ``make_train_step(grad_sync=comm)`` unsharded, ``shard_optimizer=True`` sharded), at N = 1, 2 and
-4, each configuration in fresh processes (peak RSS is a process's lifetime maximum).  Per rank:
+MPI: ``make_train_step(grad_sync=comm)`` unsharded, ``shard_optimizer=True`` sharded, and sharded with a
+buddy copy of the next rank's slice, as ``fit`` keeps by default), at N = 1, 2 and 4, each configuration
+in fresh processes (peak RSS is a process's lifetime maximum).  Per rank:
 optimizer-state bytes (the tensors of ``state.opt_state``), peak RSS (``ru_maxrss``) and the median
 step time after a warm-up.  Configurations alternate, sharded and unsharded side by side, ``--runs``
 times.
@@ -35,7 +36,7 @@ from raympi import comm  # noqa: E402
 class Rank(comm.Member):
     """One rank: a model, a step over the communicator, and what they cost."""
 
-    def run(self, width: int, layers: int, shard: bool, steps: int, batch: int) -> dict[str, Any]:
+    def run(self, width: int, layers: int, mode: str, steps: int, batch: int) -> dict[str, Any]:
         import torch
         import torch.nn.functional as F
 
@@ -47,14 +48,15 @@ class Rank(comm.Member):
         torch.set_num_threads(1)
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-        comm = self.comm
+        comm, shard = self.comm, mode != "unsharded"
         sync = None if comm.size == 1 else comm if shard else comm.allreduce_
         opt = optim.adamw(1e-4)
         step = make_train_step(model, F.mse_loss, opt, grad_sync=sync, shard_optimizer=shard, donate=True)  # as fit
         if shard:
             from raympi.core.shard import shard_state
 
-            state = shard_state(TrainState.create(model, optim.set_to_zero()), comm.rank, comm.size, opt)
+            buddy = 1 if mode == "buddy" else None
+            state = shard_state(TrainState.create(model, optim.set_to_zero()), comm.rank, comm.size, opt, buddy)
         else:
             state = TrainState.create(model, opt)
         del model
@@ -77,17 +79,20 @@ class Rank(comm.Member):
         }
 
 
-def _one(world: int, shard: bool, cfg: argparse.Namespace) -> dict[str, Any]:
+MODES = ("unsharded", "sharded", "buddy")
+
+
+def _one(world: int, mode: str, cfg: argparse.Namespace) -> dict[str, Any]:
     ranks = [Rank.options(runtime_env={"env_vars": OMP1}).remote() for _ in range(world)]
     try:
         comm.form(ranks, timeout_s=120)
-        out = ray.get([r.run.remote(cfg.width, cfg.layers, shard, cfg.steps, cfg.batch) for r in ranks], timeout=1800)
+        out = ray.get([r.run.remote(cfg.width, cfg.layers, mode, cfg.steps, cfg.batch) for r in ranks], timeout=1800)
     finally:
         for r in ranks:
             ray.kill(r)
     return {
         "ranks": world,
-        "sharded": shard,
+        "mode": mode,
         "params_M": out[0]["params"] / 1e6,
         "opt_state_MB_per_rank": max(o["opt_state_mb"] for o in out),
         "peak_rss_MB_per_rank": max(o["peak_rss_mb"] for o in out),
@@ -113,8 +118,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     try:
         for run in range(cfg.runs):
             for world in worlds:
-                for shard in (False, True) if run % 2 == 0 else (True, False):  # side by side, order alternating
-                    row = {"run": run, **_one(world, shard, cfg)}
+                for mode in MODES if run % 2 == 0 else MODES[::-1]:  # side by side, order alternating
+                    if world == 1 and mode == "buddy":
+                        continue  # a world of one keeps no copy
+                    row = {"run": run, **_one(world, mode, cfg)}
                     rows.append(row)
                     print(row, flush=True)
     finally:
@@ -126,20 +133,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 def _table(rows: list[dict[str, Any]], worlds: list[int]) -> str:
     lines = [
-        "| ranks | params | optimizer state per rank, unsharded -> sharded | ratio | peak RSS per rank "
-        "(MB), unsharded -> sharded | step (s), unsharded -> sharded | sharded / unsharded step |",
-        "|---:|---:|---|---:|---|---|---:|",
+        "| ranks | params | optimizer state per rank (MB): unsharded / sharded / with buddy | ratios | peak RSS "
+        "per rank (MB) | step (s) | step ratios |",
+        "|---:|---:|---|---|---|---|---|",
     ]
     for world in worlds:
-        mine = {s: [r for r in rows if r["ranks"] == world and r["sharded"] is s] for s in (False, True)}
-        med = {s: {k: statistics.median(r[k] for r in mine[s]) for k in mine[s][0] if k != "sharded"} for s in mine}
-        u, s = med[False], med[True]
+        med = {}
+        for mode in MODES:
+            mine = [r for r in rows if r["ranks"] == world and r["mode"] == mode]
+            if mine:
+                med[mode] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k not in ("mode", "run")}
+        u = med["unsharded"]
+
+        def each(key: str, spec: str, ratio: bool = False) -> str:
+            if ratio:
+                return " / ".join(f"{med[m][key] / u[key]:.2f}" for m in MODES[1:] if m in med)
+            return " / ".join(fmt(med[m][key], spec) for m in MODES if m in med)
+
         lines.append(
-            f"| {world} | {u['params_M']:.1f}M | {fmt(u['opt_state_MB_per_rank'], '.0f')} -> "
-            f"{fmt(s['opt_state_MB_per_rank'], '.0f')} MB | "
-            f"{s['opt_state_MB_per_rank'] / u['opt_state_MB_per_rank']:.2f}"
-            f" | {u['peak_rss_MB_per_rank']:.0f} -> {s['peak_rss_MB_per_rank']:.0f} | {u['step_s']:.3f} -> "
-            f"{s['step_s']:.3f} | {s['step_s'] / u['step_s']:.2f}x |"
+            f"| {world} | {u['params_M']:.1f}M | {each('opt_state_MB_per_rank', '.0f')} | "
+            f"{each('opt_state_MB_per_rank', '', True)} | {each('peak_rss_MB_per_rank', '.0f')} | "
+            f"{each('step_s', '.3f')} | {each('step_s', '', True)} |"
         )
     return "\n".join(lines)
 

@@ -80,6 +80,28 @@ def _peer_class(ray):
         def pid(self):
             return os.getpid()
 
+        def abandon_one_sum(self, abort_after_s):
+            """Start a 1 MB sum and abandon it after ``abort_after_s``; the bytes then kept alive for MPI."""
+            from raympi.comm.communicator import abandoned_bytes
+
+            timer = threading.Timer(abort_after_s, self.comm.abort.set)
+            timer.start()
+            try:
+                self.comm.allreduce_([torch.ones(1 << 18)])
+            except Exception as exc:
+                assert type(exc).__name__ == "CollectiveAborted", exc
+            self.comm.abort.clear()
+            return abandoned_bytes()
+
+        def sum_after(self, delay):
+            time.sleep(delay)
+            return self.comm.allreduce_([torch.ones(1 << 18)])[0][0].item()
+
+        def kept_bytes(self):
+            from raympi.comm.communicator import abandoned_bytes
+
+            return abandoned_bytes()
+
         def sum_until_aborted(self, abort_after_s, started):
             """Sum 1 MB buffers in a loop (touching the file ``started`` after the first sum) until the collective
             is abandoned: ``abort`` is set after ``abort_after_s``, as the worker's health thread sets it when the
@@ -184,6 +206,22 @@ def test_barrier_waits_for_the_slowest(ray_session, pool):
     times = ray_session.get([p.barrier_after.remote(1.0 if r == 2 else 0.0) for r, p in enumerate(peers)])
     slowest_entered = times[2][0]
     assert all(left >= slowest_entered for _, left in times)
+
+
+def test_an_abandoned_sum_keeps_its_buffer_only_until_mpi_is_done_with_it(ray_session, pool):
+    """A rank gives up a sum its peer joins late: its buffer is kept alive (MPI may still write into it), and
+    let go once the peer's part arrives and the request completes."""
+    peers = pool[:2]
+    comm.form(peers, timeout_s=60)
+    before = ray_session.get(peers[0].kept_bytes.remote())
+    abandon, late = peers[0].abandon_one_sum.remote(0.3), peers[1].sum_after.remote(1.5)
+    assert ray_session.get(abandon, timeout=30) >= before + 2**20
+    deadline = time.monotonic() + 30
+    while not ray_session.wait([late], timeout=0.1)[0] and time.monotonic() < deadline:
+        ray_session.get(peers[0].kept_bytes.remote())  # (MPI progresses inside its calls: Test, here)
+    assert ray_session.get(late, timeout=1) == 2.0  # (the abandoned buffer got its sum too)
+    kept = [ray_session.get(peers[0].kept_bytes.remote(), timeout=30) for _ in range(50)]  # rank 0's part ends too
+    assert kept[-1] == before, kept
 
 
 def test_zero_actors_is_a_clear_error():

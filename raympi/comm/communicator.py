@@ -31,7 +31,7 @@ from raympi.comm import library
 from raympi.comm.wire import COMPRESSIONS, INPLACE_MIN_BYTES
 from raympi.exceptions import CollectiveAborted, ConfigError
 
-__all__ = ["Communicator", "DEFAULT_BUCKET_BYTES", "keep_alive"]
+__all__ = ["Communicator", "DEFAULT_BUCKET_BYTES", "abandoned_bytes", "keep_alive"]
 
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 # How long a rank polls a collective flat out before it starts sleeping between polls.
@@ -43,8 +43,29 @@ _ABANDONED: list[tuple[Any, ...]] = []
 
 
 def keep_alive(*objects: Any) -> None:
-    """Keep ``objects`` (an abandoned collective's request, buffers, group) alive until the process ends."""
+    """Keep ``objects`` (an abandoned collective's request, buffers, group) alive until the process ends, or,
+    where the first is an MPI request, until MPI is done with it: the entries whose request has completed
+    since (or failed: a lost peer) are let go here.  The memory held is then that of the collectives still
+    waiting for a peer that never answers (with ``shard_optimizer``, a flat buffer of the parameters each)."""
+    _ABANDONED[:] = [entry for entry in _ABANDONED if not _over(entry)]
     _ABANDONED.append(objects)
+
+
+def abandoned_bytes() -> int:
+    """Bytes of the numpy buffers and tensors kept alive for abandoned collectives (after letting go of those done)."""
+    _ABANDONED[:] = [entry for entry in _ABANDONED if not _over(entry)]
+    return sum(getattr(x, "nbytes", 0) for entry in _ABANDONED for x in entry)
+
+
+def _over(entry: tuple[Any, ...]) -> bool:
+    """Whether MPI is done with an abandoned collective (its request completed or failed)."""
+    test = getattr(entry[0], "Test", None) if entry else None
+    if test is None:
+        return False
+    try:
+        return bool(test())
+    except Exception:  # completed in error (ERRORS_RETURN): MPI no longer touches its buffers
+        return True
 
 
 class Communicator:
