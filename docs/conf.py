@@ -25,33 +25,6 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(torch|ray|numpy|np|mpi4py|pydantic|fsspec|transformers|torchvision|psutil)(\..*)?"),
     (r"py:.*", r"(types|typing|collections|contextlib|concurrent|threading|pathlib|os|enum|dataclasses)\..*"),
 ]
-# Temporary: references to raympi's own names that are broken in files being reworked elsewhere.  Each entry names the
-# one reference it lets pass; remove it with the fix.
-nitpick_ignore = [
-    # TODO: fix in raympi/comm/communicator.py (document the attribute ``abort``, which communicator.py:7,
-    # buckets.py:14 and process_group.py:17,313 refer to)
-    ("py:attr", "Communicator.abort"),
-    # TODO: fix in raympi/core/shard.py (buddy_distance and reshard_skeleton are not functions of the module;
-    # ShardLayout.chunk's docstring opens with "Elements per rank:", which napoleon reads as a type; Held is not
-    # documented: not in __all__)
-    ("py:func", "buddy_distance"),
-    ("py:func", "reshard_skeleton"),
-    ("py:class", "Elements per rank"),
-    ("py:class", "Held"),
-    ("py:class", "raympi.core.shard.Held"),
-    # TODO: fix in raympi/driver/fit.py (raympi.config does not exist: raympi.driver.config.FitConfig)
-    ("py:class", "raympi.config.FitConfig"),
-    # TODO: fix in raympi/driver/group.py (``pending`` and ``LOST`` are not documented: no attribute docstring, LOST
-    # not in __all__)
-    ("py:attr", "pending"),
-    ("py:data", "LOST"),
-    # TODO: fix in raympi/core/optim/base.py (FusedApply, in __all__, has no #: doc comment, so autodoc leaves it out)
-    ("py:class", "FusedApply"),
-    # TODO: fix in raympi/core/optim/states.py (TYPE_KEY is not documented: no #: doc comment)
-    ("py:data", "TYPE_KEY"),
-    # TODO: fix in raympi/worker/checkpoint_io.py (_Hashing is private: name what it is instead of linking it)
-    ("py:class", "_Hashing"),
-]
 
 # Google-style sections (Args:, Returns:, Attributes:) as in the docstrings.
 napoleon_google_docstring = True

@@ -444,3 +444,45 @@ def test_losing_both_copies_of_a_slice_is_named() -> None:
     assert behind is not None
     with pytest.raises(SliceLost, match="steps"):
         plan_reshard([Held.of(states[0]), Held(behind.rank, behind.world, behind.step - 1, behind.copy_rank)])
+
+
+def test_a_step_abandoned_in_the_all_gather_leaves_the_buddy_copies_as_they_were() -> None:
+    """Two ranks with buddy copies, the all-gather abandoned twice on both: every retried step ends where the
+    uninterrupted run does, and each copy still equals its owner's slice bit for bit."""
+    from raympi.exceptions import CollectiveAborted
+
+    opt = OPTIMIZERS["adamw+mask"]
+    models = [TwoInputs() for _ in range(2)]
+
+    def rank_run(member: _RankSync) -> TrainState:
+        gathers = [0]
+        real = member.all_gather_
+
+        def flaky(flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+            gathers[0] += 1
+            if gathers[0] in (3, 4):
+                member._exchange(None)  # (both ranks meet, as a collective would, then give up)
+                flat.fill_(float("nan"))
+                raise CollectiveAborted("abandoned")
+            return real(flat, counts)
+
+        member.all_gather_ = flaky  # type: ignore[method-assign]
+        model = models[member.rank]
+        step = make_train_step(model, F.mse_loss, opt(), grad_sync=member, shard_optimizer=True, donate=True)
+        state = shard_state(TrainState.create(model, opt()), member.rank, 2, opt(), buddy=1)
+        i = 0
+        while i < 5:
+            copy = [t.clone() for t in pytree.leaves(state.opt_state.copy)]
+            try:
+                state, _ = step(state, _local(_batch(i), member.rank, 2), 12)
+            except CollectiveAborted:
+                assert all(torch.equal(a, b) for a, b in zip(pytree.leaves(state.opt_state.copy), copy))
+                continue
+            i += 1
+        return state
+
+    states = run_ranks(2, rank_run)
+    ref = _reference(opt, 5)
+    for rank, s in enumerate(states):
+        assert _max_diff(s.params, ref.params) <= 1e-5
+        assert _equal_trees(s.opt_state.copy, states[1 - rank].opt_state.inner_state)

@@ -91,7 +91,8 @@ class Communicator:
         self.size: int = comm.Get_size()
         self.bucket_bytes = bucket_bytes
         self.compression = compression
-        self.abort = threading.Event()  # set from another thread to abandon the collective in flight
+        #: Set from another thread to abandon the collective in flight (it raises ``CollectiveAborted``).
+        self.abort = threading.Event()
         self.MPI = library.require()  # the mpi4py.MPI module
         self._wire_op = None
         if compression:

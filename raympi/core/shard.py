@@ -57,8 +57,11 @@ __all__ = [
     "ShardBuffers",
     "check_shardable",
     "next_gradients",
+    "buddy_distance",
+    "Held",
     "SliceLost",
     "plan_reshard",
+    "reshard_skeleton",
     "reshard_messages",
     "reshard_receive",
 ]
@@ -114,7 +117,7 @@ class ShardLayout:
 
     @property
     def chunk(self) -> int:
-        """Elements per rank: the buffers are padded to ``chunk * world``."""
+        """How many elements each rank's chunk holds (the buffers are padded to ``chunk * world``)."""
         return max(1, -(-self.total // self.world))
 
     def bounds(self, rank: int) -> tuple[int, int]:
@@ -298,7 +301,8 @@ class ShardBuffers:
     step packs the gradients into the other (``free``), reduce-scatters them there, writes its new chunk
     there and all-gathers the new parameters into it.  Once it commits, the input state's buffer is the
     free one (the caller dropped that state).  The optimizer slice likewise: the step copies the current
-    one into the slice of the state before last and updates that in place.
+    one into the slice of the state before last and updates that in place.  A buddy copy of another rank's
+    slice is updated in place once the all-gather has committed (nothing can abandon the step after it).
     """
 
     def __init__(self) -> None:
@@ -423,34 +427,33 @@ def apply_sharded(
         raise TrainingError("this optimizer state keeps a buddy copy: pass the next rank's gradients (next_grads)")
     sums = _Sums(_alone if sync is None else sync.sum_)
     own_view, replay_view = _full_view(params, sums.record), _full_view(params, sums.replay)
-    current = (opt_state.inner_state,) if opt_state.copy is None else (opt_state.inner_state, opt_state.copy)
     if buffers is None:
         with sharded(own_view):
             new_pieces, inner = apply_gradients(optimizer, grads, opt_state.inner_state, _cut(params, layout, rank))
-        copy = _buddy_update(optimizer, next_grads, opt_state, params, layout, replay_view, opt_state.copy, False)
         out = gather_params(new_pieces, layout, sync)
+        copy = _buddy_update(optimizer, next_grads, opt_state, params, layout, replay_view, opt_state.copy, False)
         return out, _with(opt_state, inner, copy)
-    donated = buffers.input_is_last(params, current)
+    donated = buffers.input_is_last(params, opt_state.inner_state)
     grads = _cut_like(grads, buffers.chunk_copy(grads))
     flat = buffers.flat(layout, next(iter(params.values())))
     lo, hi = layout.bounds(rank)
     _joined(_cut(params, layout, rank), flat[lo:hi])
     pieces = _cut(_views(flat, layout), layout, rank)
-    state = current
+    state = opt_state.inner_state
     if donated and buffers.spare_state is not None:  # the state before last's slice takes the current one
         torch._foreach_copy_(buffers.spare_state, pytree.leaves(state))
         state = pytree.unflatten(buffers.spare_state, pytree.flatten(state)[1])
-    own = state is not current  # the step's own memory: written in place
+    own = state is not opt_state.inner_state  # the step's own memory: written in place
     with sharded(own_view):
-        new_pieces, inner = apply_gradients(optimizer, grads, state[0], pieces, donate=own)
+        new_pieces, inner = apply_gradients(optimizer, grads, state, pieces, donate=own)
     for name, piece in pieces.items():  # a transformation may hand back new tensors instead of writing in place
         if new_pieces[name].data_ptr() != piece.data_ptr():
             piece.copy_(new_pieces[name])
-    old_copy = state[1] if len(state) > 1 else None
-    copy = _buddy_update(optimizer, next_grads, opt_state, params, layout, replay_view, old_copy, own)
     out = gather_params(pieces, layout, sync, into=flat)
-    freed = (_flat_of(params), pytree.leaves(current)) if donated else None
-    buffers.committed(flat, (inner, copy)[: len(current)], freed)
+    # The step has committed: the buddy copy is updated only now, in place where the caller donated its state
+    # (a step abandoned in the all-gather left it as it was; no collective follows that could abandon this).
+    copy = _buddy_update(optimizer, next_grads, opt_state, params, layout, replay_view, opt_state.copy, donated)
+    buffers.committed(flat, inner, (_flat_of(params), pytree.leaves(opt_state.inner_state)) if donated else None)
     return out, _with(opt_state, inner, copy)
 
 

@@ -71,7 +71,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         dataset: a map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs, or an
             ``(inputs, targets)`` tuple of tensors or arrays.
         workers: the number of ranks.
-        **options: see :class:`raympi.config.FitConfig` and the README's table.
+        **options: see :class:`raympi.driver.config.FitConfig` and the options page of the guide.
 
     Returns:
         A :class:`Result`.

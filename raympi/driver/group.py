@@ -52,7 +52,8 @@ __all__ = ["LOST", "NCCL_ENV", "WorkerGroup"]
 
 log = logging.getLogger("raympi")
 
-LOST = "lost"  # what WorkerGroup.outcomes gives for a rank whose actor died
+#: What :meth:`WorkerGroup.outcomes` gives for a rank whose actor died.
+LOST = "lost"
 
 
 class WorkerGroup:
@@ -226,7 +227,7 @@ class WorkerGroup:
         """Kill the ``failed`` ranks; hot spares take their places at once, replacements start in the
         background for the rest where live nodes have room, and new spares start in the freed bundles.
 
-        The spares and replacements wait in :attr:`pending` until :meth:`reform` takes them in.
+        The spares and replacements wait (``self.pending``) until :meth:`reform` takes them in.
         """
         for r in failed:
             ray.kill(self.actors[r], no_restart=True)

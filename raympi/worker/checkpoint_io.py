@@ -88,7 +88,7 @@ class _Hashing:
 def write_state(fs: Any, path: str, tree: dict[str, Any], local: bool, progress: Any = None) -> tuple[str, int]:
     """Stream ``torch.save(tree)`` into ``path`` (fsynced when local); returns its SHA-256 and size.
 
-    ``progress``, when given, is the :class:`_Hashing` counter's holder: its ``count`` grows as bytes go out.
+    ``progress``, when given, holds the hashing writer (under ``"out"``): its ``count`` grows as bytes go out.
     """
     with fs.open(path, "wb") as f:
         out = _Hashing(f)

@@ -47,6 +47,8 @@ Updates = Any  # a tree of the same structure as the parameters
 OptState = Any  # a tree of state NamedTuples (raympi.core.optim.states), tuples, dicts and tensors
 Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
+#: ``fused_apply(grads, state, params, donate) -> (params, state)``: an optimizer's one-pass update (see
+#: :func:`apply_gradients`).
 FusedApply = Callable[[Updates, OptState, Params, bool], tuple[Params, OptState]]
 Tensors = Union[list[torch.Tensor], tuple[torch.Tensor, ...]]  # what torch's _foreach ops take (they return tuples)
 

@@ -154,7 +154,8 @@ STATE_TYPES: tuple[type[Any], ...] = (
     ApplyIfFiniteState,
     ShardedState,
 )
-TYPE_KEY = "__type__"  # in a plain state dict: the name of its class
+#: The key that names a state's class in its plain dict (:func:`to_plain`).
+TYPE_KEY = "__type__"
 
 _TYPES = frozenset(STATE_TYPES)
 _BY_NAME = {cls.__name__: cls for cls in STATE_TYPES}
