@@ -151,7 +151,7 @@ class FitConfig(BaseModel):
     overlap: Optional[bool] = Field(
         None,
         description="sum gradient buckets over the ranks while backward still runs, as DDP does; default: "
-        "on with GPUs, off on CPUs, where it did not pay (benchmarks/README.md); not with compression",
+        "on with GPUs, off on CPUs, where it did not pay (benchmarks/RESULTS.md); not with compression",
     )
     shard_optimizer: bool = Field(
         False,
@@ -171,7 +171,7 @@ class FitConfig(BaseModel):
         description="how gradients are summed: 'mpi' (the communicator; GPU gradients staged through host memory), "
         "'nccl' (a NCCL process group built from the MPI communicator; one GPU per worker), "
         "'gloo' (the same path on CPU); 'auto': nccl for workers with a whole GPU each, mpi otherwise (faster than "
-        "gloo on CPU, benchmarks/README.md)",
+        "gloo on CPU, docs/benchmarks.md)",
     )
     fp32_reduce: bool = Field(
         False, description="nccl/gloo: sum 16-bit gradients in float32 (twice the bytes); mpi always does"

@@ -35,7 +35,7 @@ PARK_S = 2.0  # how long workers may take to drop a finished run before they are
 SPARE_PING_S = 0.5
 # glibc settings of CPU workers: freed gradient-sized blocks stay in the heap (else each step's fresh
 # gradients page-fault tens of MB back in: up to 28 ms a step on a 5.8M MLP), in one arena (the step's
-# Ray thread got one that glibc shrinks on free: benchmarks/malloc_arenas.py).
+# Ray thread got one that glibc shrinks on free: benchmarks/RESULTS.md).
 CPU_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
     "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
