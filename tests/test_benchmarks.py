@@ -18,10 +18,12 @@ def _quick(script: str, timeout: int) -> subprocess.CompletedProcess:
     return _run(script, ["--quick"], timeout)
 
 
-def _run(script: str, args: list[str], timeout: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``benchmarks/<script> <args>`` (``env``: added to the environment); it must exit 0."""
+def _run(
+    script: str, args: list[str], timeout: int, env: dict[str, str] | None = None, folder: str = "benchmarks"
+) -> subprocess.CompletedProcess:
+    """Run ``<folder>/<script> <args>`` (``env``: added to the environment); it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        [sys.executable, str(ROOT / folder / script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -10,21 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_benchmarks import _run as run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, args: list[str], timeout: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``tools/<script> <args>`` (``env``: added to the environment); it must exit 0."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / script), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    return proc
+    return run_script(script, args, timeout, env, folder="tools")
 
 
 def test_gpu_check_cpu_mode_smoke(tmp_path):
