@@ -416,6 +416,9 @@ MEMORY_MODELS = {
     "shard_optimizer, as built": lambda n: 4 + 4 + 4 + 8 / n + 8 / n + 4 / n,
     # peak, as the gradients are packed: P + the free flat buffer (the reduce-scatter's, then the new P's) + G,
     # plus S / N, the slice of the state before last (the step writes into it) and the summed gradient chunk
+    "shard_optimizer + buddy copies (fit's default), as built": lambda n: 4 + 4 + 4 + 8 / n * 3 + 4 / n * 3,
+    # as above, plus the copy of another rank's S / N, its summed gradient chunk and its parameters' chunk (the
+    # copy's update writes into a clone of them)
     "shard_optimizer + overlap (gradients shed per bucket)": lambda n: 4 + 4 + 20 / n,
     # P + the new P of the all-gather; no whole G ever (the buckets are reduce-scattered as backward makes them)
 }
