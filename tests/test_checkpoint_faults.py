@@ -24,7 +24,7 @@ import torch
 import raympi
 from raympi.comm import library
 from raympi.driver.checkpoint import CheckpointStore
-from raympi.driver.checkpoint_folders import _IN_FLIGHT
+from raympi.driver.checkpoint_folders import IN_FLIGHT
 from raympi.worker.checkpoint_io import write_state
 from raympi.exceptions import ConfigError
 
@@ -116,7 +116,7 @@ def _fork_writer(root: str, keep: int, state: dict, step: int, point: int, direc
             _arm(point)
             if direct:
                 tmp = os.path.join(root, f".step-{step:08d}.tmp-{os.getpid()}-1")
-                _IN_FLIGHT.add(tmp)
+                IN_FLIGHT.add(tmp)
                 os.mkdir(tmp)
                 sha, size = write_state(store.fs, os.path.join(tmp, "state.pt"), state, local=True)
                 store._commit({"step": step, "sha256": sha, "bytes": size}, tmp=tmp)

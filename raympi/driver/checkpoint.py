@@ -37,7 +37,7 @@ import torch
 from raympi.core import pytree
 from raympi.core.state import TrainState
 from raympi.driver.checkpoint_direct import DirectRequest, await_write, not_shared
-from raympi.driver.checkpoint_folders import _IN_FLIGHT, AtomicFolders, _remove
+from raympi.driver.checkpoint_folders import IN_FLIGHT, AtomicFolders, remove_folder
 from raympi.exceptions import ConfigError, WorkerLostError
 from raympi.worker.checkpoint_io import (
     StoredState,
@@ -84,11 +84,11 @@ class CheckpointStore(AtomicFolders):
         try:
             self.fs.makedirs(self._path, exist_ok=True)
             probe = posixpath.join(self._path, f".write-test-{os.getpid()}")
-            _IN_FLIGHT.add(probe)  # not a leftover
+            IN_FLIGHT.add(probe)  # not a leftover
             with self.fs.open(probe, "wb") as f:
                 f.write(b"ok")
             self.fs.rm(probe)
-            _IN_FLIGHT.discard(probe)
+            IN_FLIGHT.discard(probe)
         except OSError as exc:
             raise ConfigError(
                 f"checkpoint_dir={root!r} is not writable ({exc.strerror or exc}): choose another checkpoint_dir"
@@ -127,7 +127,7 @@ class CheckpointStore(AtomicFolders):
         """A new temporary folder for the checkpoint of ``step``: its path here, and its URL for the workers."""
         self._seq += 1
         tmp = posixpath.join(self._path, f".step-{step:08d}.tmp-{os.getpid()}-{self._seq}")
-        _IN_FLIGHT.add(tmp)
+        IN_FLIGHT.add(tmp)
         with contextlib.suppress(OSError):  # rank 0 then cannot see it and hands the state over instead
             self.fs.makedirs(tmp, exist_ok=True)
         return tmp, tmp if _is_local(self.root) else self.fs.unstrip_protocol(tmp)
@@ -287,8 +287,8 @@ class CheckpointStore(AtomicFolders):
             raise WorkerLostError(f"rank {request.rank} was lost ({type(exc).__name__})") from None
 
     def _forget(self, tmp: str) -> None:
-        _remove(self.fs, tmp)
-        _IN_FLIGHT.discard(tmp)
+        remove_folder(self.fs, tmp)
+        IN_FLIGHT.discard(tmp)
 
     def wait(self, strict: bool = True) -> None:
         """Block until every background write is done; re-raise a failed one (``strict``) or warn about it."""

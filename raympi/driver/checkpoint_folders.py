@@ -21,10 +21,11 @@ from typing import Any
 
 from raympi.worker.checkpoint_io import fsync_dir as _fsync_dir, is_local as _is_local
 
-__all__ = ["AtomicFolders"]
+__all__ = ["AtomicFolders", "IN_FLIGHT", "remove_folder"]
 
 _LEFTOVER = re.compile(r"\.step-\d+\.(?:tmp|old)-(\d+)(?:-\d+)?|\.write-test-(\d+)")  # what a write leaves if killed
-_IN_FLIGHT: set[str] = set()  # this process's folders being written or deleted (any store)
+#: The checkpoint folders this process is writing or deleting, in any store, which are never taken for leftovers.
+IN_FLIGHT: set[str] = set()
 
 
 class AtomicFolders:
@@ -46,7 +47,7 @@ class AtomicFolders:
         replaced = False
         try:
             self._remove_leftovers()
-            _IN_FLIGHT.update((tmp, old))
+            IN_FLIGHT.update((tmp, old))
             if blob is not None:
                 self._write(posixpath.join(tmp, "state.pt"), blob)
             self._write(posixpath.join(tmp, "manifest.json"), meta)
@@ -55,15 +56,15 @@ class AtomicFolders:
                 self._rename(final, old)
             self._rename(tmp, final)
         except OSError as exc:
-            _remove(self.fs, tmp)
+            remove_folder(self.fs, tmp)
             with contextlib.suppress(OSError):
                 if replaced and not self.fs.exists(final):
                     self._rename(old, final)  # the previous copy of this step stays
             raise OSError(exc.errno, self._why_lost(name, exc, manifest["bytes"] + len(meta))) from exc
         finally:
-            _IN_FLIGHT.difference_update((tmp, old))
+            IN_FLIGHT.difference_update((tmp, old))
         if replaced:
-            _remove(self.fs, old)
+            remove_folder(self.fs, old)
         self._prune()
         return self._url(name)
 
@@ -98,12 +99,8 @@ class AtomicFolders:
         """Remove what writes killed midway left (their process is gone), or this process's failed ones."""
         for name in self._names(prefix="."):
             path = posixpath.join(self._path, name)
-            if (
-                (match := _LEFTOVER.fullmatch(name))
-                and path not in _IN_FLIGHT
-                and not _alive(int(match[1] or match[2]))
-            ):
-                _remove(self.fs, path)
+            if (match := _LEFTOVER.fullmatch(name)) and path not in IN_FLIGHT and not _alive(int(match[1] or match[2])):
+                remove_folder(self.fs, path)
 
     def _write(self, path: str, data: bytes) -> None:
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -124,7 +121,7 @@ class AtomicFolders:
             for name in self._names()[: -self.keep]:
                 aside = posixpath.join(self._path, f".{name}.old-{os.getpid()}")
                 self._rename(posixpath.join(self._path, name), aside)
-                _remove(self.fs, aside)
+                remove_folder(self.fs, aside)
         except OSError:
             pass  # the checkpoint is written; the next write prunes again
 
@@ -139,6 +136,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _remove(fs: Any, path: str) -> None:
+def remove_folder(fs: Any, path: str) -> None:
+    """Remove a folder and what it holds; one already gone (or that cannot be removed now) is left alone."""
     with contextlib.suppress(OSError):  # absent, or a leftover the next write removes
         fs.rm(path, recursive=True)
