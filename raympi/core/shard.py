@@ -32,6 +32,7 @@ collectives leaves the state as it was.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Protocol, Sequence, cast
 
@@ -107,11 +108,12 @@ class ShardLayout:
             raise ValueError(f"world must be >= 1, got {world}")
         return cls(tuple(params), tuple(tuple(p.shape) for p in params.values()), world)
 
-    @property
+    # (computed once per layout: a step asks for them for every parameter)
+    @functools.cached_property
     def numels(self) -> list[int]:
         return [math.prod(s) for s in self.shapes]
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         return sum(self.numels)
 
@@ -130,13 +132,19 @@ class ShardLayout:
 
     def pieces(self, rank: int) -> dict[str, tuple[int, int]]:
         """name -> ``(start, stop)`` of the part of that parameter (flattened) in rank ``rank``'s chunk."""
-        lo, hi = self.bounds(rank)
-        out, offset = {}, 0
-        for name, n in zip(self.names, self.numels):
-            start, stop = max(lo - offset, 0), min(hi - offset, n)
-            out[name] = (start, stop) if start < stop else (0, 0)
-            offset += n
-        return out
+        return _pieces(self, rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _pieces(layout: ShardLayout, rank: int) -> dict[str, tuple[int, int]]:
+    """:meth:`ShardLayout.pieces`, computed once per layout and rank (a step asks for them several times)."""
+    lo, hi = layout.bounds(rank)
+    out, offset = {}, 0
+    for name, n in zip(layout.names, layout.numels):
+        start, stop = max(lo - offset, 0), min(hi - offset, n)
+        out[name] = (start, stop) if start < stop else (0, 0)
+        offset += n
+    return out
 
 
 def _cut(tensors: dict[str, torch.Tensor], layout: ShardLayout, rank: int) -> dict[str, torch.Tensor]:
@@ -145,8 +153,13 @@ def _cut(tensors: dict[str, torch.Tensor], layout: ShardLayout, rank: int) -> di
 
 
 def _full_view(params: dict[str, torch.Tensor], sum_: Any) -> ShardView:
-    meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in params.items()}
-    return ShardView(meta, sum_)
+    return ShardView(_meta(ShardLayout.of(params, 1), next(iter(params.values())).dtype), sum_)
+
+
+@functools.lru_cache(maxsize=16)
+def _meta(layout: ShardLayout, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Stand-ins of the parameters' full shapes, with no memory (what masks and labels are evaluated on)."""
+    return {n: torch.empty(shape, dtype=dtype, device="meta") for n, shape in zip(layout.names, layout.shapes)}
 
 
 def _alone(value: torch.Tensor) -> torch.Tensor:
