@@ -336,12 +336,11 @@ def test_regression_reports_no_accuracy(ray_session, tmp_path):
     assert not any("accuracy" in key for r in result.metrics for key in r), last
 
 
-def test_cpu_workers_run_with_one_malloc_arena(ray_session, tmp_path):
-    """The workers' step runs on a Ray thread, to which glibc's default gives an arena it shrinks on free
-    (thousands of page faults a step, benchmarks/RESULTS.md): workers take MALLOC_ARENA_MAX=1 (and
-    the trim and mmap thresholds) as they start, read here by a metric evaluated on each worker."""
+def _worker_env(tmp_path, names, **options) -> list[dict[str, float]]:
+    """The environment variables ``names`` as every worker of a short fit sees them (as floats, -1 where unset):
+    read by metrics evaluated on each worker, one dict per step."""
+    read = {f"env {k}": (lambda k: lambda out, t: torch.tensor(float(os.environ.get(k, "-1"))))(k) for k in names}
     x, y = torch.randn(64, 3), torch.randn(64, 1)
-    arenas = {"arena_max": lambda out, t: torch.tensor(float(os.environ.get("MALLOC_ARENA_MAX", "-1")))}
     result = raympi.fit(
         nn.Linear(3, 1),
         (x, y),
@@ -349,11 +348,21 @@ def test_cpu_workers_run_with_one_malloc_arena(ray_session, tmp_path):
         epochs=1,
         batch_size=32,
         loss_fn=nn.functional.mse_loss,
-        metrics=arenas,
+        metrics=read,
         checkpoint_dir=str(tmp_path / "ck"),
         progress=False,
+        **options,
     )
-    assert [r["arena_max"] for r in result.metrics] == [1.0] * len(result.metrics) and result.metrics, result.metrics
+    assert result.metrics, result.metrics
+    return [{k: row[f"env {k}"] for k in names} for row in result.metrics]
+
+
+def test_cpu_workers_run_with_one_malloc_arena(ray_session, tmp_path):
+    """The workers' step runs on a Ray thread, to which glibc's default gives an arena it shrinks on free
+    (thousands of page faults a step, benchmarks/RESULTS.md): workers take MALLOC_ARENA_MAX=1 (and
+    the trim and mmap thresholds) as they start, read here by a metric evaluated on each worker."""
+    rows = _worker_env(tmp_path, ["MALLOC_ARENA_MAX"])
+    assert rows == [{"MALLOC_ARENA_MAX": 1.0}] * len(rows), rows
 
 
 def test_workers_take_nccl_error_handling_from_the_group(ray_session, tmp_path):
@@ -363,24 +372,9 @@ def test_workers_take_nccl_error_handling_from_the_group(ray_session, tmp_path):
     gloo process group (the NCCL path's code on CPU; torch's ProcessGroupNCCL reads the variables as it is built)."""
     from raympi.driver.group import NCCL_ENV
 
-    x, y = torch.randn(64, 3), torch.randn(64, 1)
-    read = {f"env {k}": (lambda k: lambda out, t: torch.tensor(float(os.environ.get(k, "-1"))))(k) for k in NCCL_ENV}
-    result = raympi.fit(
-        nn.Linear(3, 1),
-        (x, y),
-        workers=2,
-        epochs=1,
-        batch_size=32,
-        loss_fn=nn.functional.mse_loss,
-        grad_transport="gloo",
-        metrics=read,
-        checkpoint_dir=str(tmp_path / "ck"),
-        progress=False,
-    )
     assert NCCL_ENV == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
-    assert result.metrics, result.metrics
-    for row in result.metrics:
-        assert {k: row[f"env {k}"] for k in NCCL_ENV} == {k: float(v) for k, v in NCCL_ENV.items()}, row
+    for row in _worker_env(tmp_path, list(NCCL_ENV), grad_transport="gloo"):
+        assert row == {k: float(v) for k, v in NCCL_ENV.items()}, row
 
 
 def test_the_suites_ray_workers_run_at_its_own_priority(ray_session):
