@@ -82,7 +82,7 @@ def workers_only(name: str, steps: int, warmup: int, tmp: str) -> dict:
         device="cpu",
         torch_threads=cfg.torch_threads or max(1, int(cfg.resources_per_worker.get("CPU", 1))),
     )
-    group = WorkerGroup(cfg, WORLD, spec, None)
+    group = WorkerGroup(cfg, WORLD, spec, None).start()
     try:
         sampler = data.Sampler(SEED, cfg.batch_size, len(x), WORLD)
         spe = sampler.steps_per_epoch

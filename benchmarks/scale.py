@@ -36,6 +36,8 @@ from raympi.driver.config import MPIConfig, parse_config
 from raympi.driver.data import Sampler
 from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import ChunkPlan, Pipeline
+from raympi.worker import WorkerSpec
+from raympi.worker.results import ChunkResult
 
 from _common import OMP1, slowest_median, start_local_ray, time_reps
 
@@ -73,8 +75,8 @@ class Light(comm.Member):
 class Echo:
     """A worker that does no work: answers ``run`` at once with one metrics record per step."""
 
-    def run(self, steps: list, global_batch_size: int) -> dict:
-        return {"metrics": [{"loss": 0.0}] * len(steps), "step": 0, "aborted": False, "sigterm": False}
+    def run(self, steps: list, global_batch_size: int) -> ChunkResult:
+        return ChunkResult([{"loss": 0.0}] * len(steps), 0)
 
     def state_dict(self) -> dict:
         return {}
@@ -86,10 +88,9 @@ class Echo:
 class EchoGroup(WorkerGroup):
     """``WorkerGroup``'s own ``gather`` and checks over :class:`Echo` actors (no placement group, no MPI)."""
 
-    # WorkerGroup.__init__ would start real workers
     def __init__(self, cfg: Any, actors: list[Any]) -> None:  # noqa: D107
-        self.cfg, self.world, self.actors = cfg, len(actors), actors
-        self.hosts, self.nodes, self.pending, self.spares = [socket.gethostname()] * len(actors), [], [], []
+        super().__init__(cfg, len(actors), WorkerSpec(None, None, None), None)  # never started: the actors are there
+        self.actors, self.hosts = actors, [socket.gethostname()] * len(actors)
         self.cpu_s = 0.0  # driver CPU spent in gather
         self.fresh = False  # its processes have run steps before (the warm-up run)
 

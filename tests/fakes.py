@@ -11,6 +11,7 @@ from typing import Any
 
 from raympi.driver.pipeline import Chunk, ChunkPlan
 from raympi.driver.policy import Failed, Failure
+from raympi.driver.spares import Spares
 
 
 class FakeGroup:
@@ -20,11 +21,14 @@ class FakeGroup:
 
     def __init__(self, cfg: Any, world: int, spec: Any, state: Any, ray_dataset: Any = None, **options: Any) -> None:
         self.world, self.state, self.options = world, state, options
-        self.spares_used, self.pending, self.fresh, self.closed = 0, [], True, False
+        self.spares, self.fresh, self.closed = Spares(), True, False
         self.reformed_by = ""
         FakeGroup.made.append(self)
 
-    def pending_ready(self) -> bool:
+    def start(self) -> "FakeGroup":
+        return self
+
+    def replacement_ready(self) -> bool:
         return False
 
     def shutdown(self, park: bool = False) -> None:

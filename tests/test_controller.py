@@ -13,6 +13,8 @@ import pytest
 
 from fakes import FakeGroup, ScriptedPipeline, failing_group
 from raympi.driver.group import LOST
+from raympi.driver.spares import Spares, Starting
+from raympi.worker.results import ChunkResult
 from raympi.driver.pipeline import Chunk
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import parse_config
@@ -237,7 +239,7 @@ def test_a_warm_restart_keeps_the_steps_the_survivors_finished_marked_as_reconst
     """Rank 1 dies after step 14 with steps 15-18 in flight: ranks 0 and 2 finish them, and the run goes
     on from 18 with those records marked, nothing lost."""
     plan = ChunkPlan(total=30, steps_per_epoch=10, checkpoint_every=10)
-    survivor = {"step": 18, "metrics": [{"loss": 0.5, "samples": 8} for _ in range(4)]}
+    survivor = ChunkResult([{"loss": 0.5, "samples": 8} for _ in range(4)], 18)
     chunk = Chunk(14, 18, refs=[survivor, LOST, survivor])  # the fake group's refs are the results
     failure = Failure(FailureKind.WORKER_LOST, "rank 1 died", ranks=(1,), chunks=(chunk,))
     pipeline = ScriptedPipeline(plan, chunk=4, failures={14: failure})  # chunks end at 4, 8, 10, 14
@@ -268,7 +270,7 @@ def test_a_ready_replacement_is_taken_in_by_a_grow(tmp_path):
             super().__init__(*args, **kwargs)
             self.world, self.ready = 2, True  # started one short; the third is on its way
 
-        def pending_ready(self):
+        def replacement_ready(self):
             return self.ready
 
         def reform(self, keep, root, deadline):
@@ -298,7 +300,7 @@ def test_no_spare_starts_outside_the_group_while_ray_places_a_lost_bundle_again(
     monkeypatch.setattr(group_module, "placement_group_table", lambda pg: {"state": state["value"]})
     monkeypatch.setattr(group_module.ray, "available_resources", lambda: {"CPU": 4.0})
     group = WorkerGroup.__new__(WorkerGroup)
-    group.pg, group.bundle, group.spares, group.parked_spares, spawned = object(), {"CPU": 1.0}, [], [], []
+    group.pg, group.bundle, group.spares, spawned = object(), {"CPU": 1.0}, Spares(), []
 
     class Actor:
         class __ray_ready__:  # noqa: N801  (Ray's name)
@@ -313,7 +315,7 @@ def test_no_spare_starts_outside_the_group_while_ray_places_a_lost_bundle_again(
     assert spawned == [2]  # a freed bundle of the group is the group's own: it may start there
     state["value"] = "CREATED"
     group._start_spare(None)
-    assert spawned == [2, None] and len(group.spares) == 2
+    assert spawned == [2, None] and len(group.spares.outside) == 2
 
 
 def test_a_spare_kept_from_the_last_fit_is_used_first_even_with_no_room_left(monkeypatch):
@@ -325,7 +327,7 @@ def test_a_spare_kept_from_the_last_fit_is_used_first_even_with_no_room_left(mon
     monkeypatch.setattr(group_module, "placement_group_table", lambda pg: {"state": "CREATED"})
     monkeypatch.setattr(group_module.ray, "available_resources", lambda: {"CPU": 0.0})
     group = WorkerGroup.__new__(WorkerGroup)
-    group.pg, group.bundle, group.spares, spawned = object(), {"CPU": 1.0}, [], []
+    group.pg, group.bundle, group.spares, spawned = object(), {"CPU": 1.0}, Spares(), []
     group._spec_ref = "spec"
 
     class Kept:
@@ -335,10 +337,11 @@ def test_a_spare_kept_from_the_last_fit_is_used_first_even_with_no_room_left(mon
                 return ("reused", spec, rank)
 
     kept = Kept()
-    group.parked_spares = [kept]
+    group.spares.parked = [kept]
     monkeypatch.setattr(group, "_spawn", lambda bundle, rank: spawned.append(bundle))
     group._start_spare(None)
-    assert group.spares == [(kept, None, ("reused", "spec", -1))] and group.parked_spares == [] and spawned == []
+    assert group.spares.outside == [Starting(kept, None, ("reused", "spec", -1))] and group.spares.parked == []
+    assert spawned == []
     group._start_spare(None)
     assert spawned == []  # no room for a new one
 

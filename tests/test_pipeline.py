@@ -10,6 +10,7 @@ from raympi.driver.config import parse_config
 from raympi.driver.data import Sampler
 from raympi.driver.pipeline import ChunkPlan, Pipeline
 from raympi.driver.policy import Failed, Failure, FailureKind
+from raympi.worker.results import ChunkResult, Evaluated
 
 K = FailureKind
 
@@ -56,19 +57,13 @@ class FakeGroup:
                 last = self._step_of(call) + len(steps)
                 if self.fail_at == ("run", last):
                     raise Failed(Failure(K.WORKER_LOST, f"rank 1 died in {what}", ranks=(1,)))
-                out.append(
-                    {
-                        "metrics": [{"loss": 1.0} for _ in steps],
-                        "step": last,
-                        "aborted": False,
-                        "sigterm": self.sigterm_at is not None and last >= self.sigterm_at,
-                    }
-                )
+                sigterm = self.sigterm_at is not None and last >= self.sigterm_at
+                out.append(ChunkResult([{"loss": 1.0} for _ in steps], last, sigterm=sigterm))
             elif call.method == "evaluate":
                 if self.fail_at and self.fail_at[0] == "evaluate":
                     raise Failed(Failure(K.WORKER_LOST, "rank 1 died in evaluation", ranks=(1,)))
                 aborted = self.fail_at and self.fail_at[0] == "evaluate_aborted" and len(out) == 1
-                out.append({"aborted": True} if aborted else {"eval_loss": 0.5})
+                out.append(Evaluated(aborted=True) if aborted else Evaluated({"eval_loss": 0.5}))
         return out
 
     def _step_of(self, call: Call) -> int:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from raympi.driver import recovery
 from raympi.driver.checkpoint import CheckpointStore
+from raympi.driver.config import FitConfig
 from raympi.driver.capacity import cluster_capacity, worker_bundle
 from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
@@ -48,13 +49,13 @@ class Controller:
         fingerprint: what a checkpoint's step means (global batch, seed, dataset length, parameter
             shapes), written into every manifest so that a resume can check it.
         new_group: builds a worker group ``(cfg, world, spec, state, ray_dataset, place_timeout_s=,
-            announce=, spares=)``; :class:`WorkerGroup` (tests pass a fake one).
+            announce=, spares=)`` for the controller to start; :class:`WorkerGroup` (tests pass a fake one).
         capacity: how many workers of a bundle the cluster could host (:func:`cluster_capacity`).
     """
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: FitConfig,
         spec: WorkerSpec,
         pipeline: Pipeline,
         store: CheckpointStore,
@@ -143,7 +144,7 @@ class Controller:
         self.run = dataclasses.replace(self.run, timers=dataclasses.replace(self.run.timers, **changes))
 
     def _new_group(self, world: int, state: Any, place_timeout_s: float | None = None) -> WorkerGroup:
-        return self.make_group(
+        group: WorkerGroup = self.make_group(
             self.cfg,
             world,
             self.spec,
@@ -153,6 +154,7 @@ class Controller:
             announce=self.announce,
             spares=self._spares(world),
         )
+        return group.start()
 
     def _spares(self, world: int) -> int:
         """Hot spares: as configured, else one when the cluster has room beyond the workers (none for Ray Data).
@@ -182,7 +184,7 @@ class Controller:
     def _carry_out(self, decision: Decision, failure: Failure) -> Failure | None:
         """Carry a Raise, Grow, Warm or Cold out; returns a follow-up failure for the policy, if any."""
         detected, restarts = self.run.timers.detected, len(self.run.restarts)
-        spares_used = self.group.spares_used if self.group else 0
+        spares_used = self.group.spares.used if self.group else 0
         try:
             followup = self._apply(decision, failure)
         finally:
@@ -192,7 +194,7 @@ class Controller:
                     r,
                     detect_s=detected - self.run.timers.progress,
                     reform_s=now - detected,
-                    spare=bool(self.group and self.group.spares_used > spares_used and r.path == "warm"),
+                    spare=bool(self.group and self.group.spares.used > spares_used and r.path == "warm"),
                 )
                 for r in self.run.restarts[restarts:]
             ]
@@ -210,7 +212,7 @@ class Controller:
             raise decision.error
         if isinstance(decision, Grow):
             try:
-                self.run = recovery.grow(self.group, failure, self.run, self.cfg)
+                self.run = recovery.grow(self._running(), failure, self.run, self.cfg)
             except recovery.INFRASTRUCTURE_ERRORS as error:  # a failed expansion is a failure like any other
                 return Failure(
                     FailureKind.WORKER_LOST,
@@ -221,7 +223,9 @@ class Controller:
         world = failure.world_before or (self.group.world if self.group else 0)
         if isinstance(decision, Warm):
             try:
-                self.run = recovery.warm(self.group, decision, failure, self.run, self.cfg, self.plan.steps_per_epoch)
+                self.run = recovery.warm(
+                    self._running(), decision, failure, self.run, self.cfg, self.plan.steps_per_epoch
+                )
             except recovery.WarmSkipped as skipped:
                 return skipped.followup(failure, world)  # the policy decides again (a cold restart)
             self.run = dataclasses.replace(self.run, pace=self.run.pace.restarted())
@@ -276,7 +280,7 @@ class Controller:
             return Failure(
                 FailureKind.EARLY_STOP, f"stopped by a callback after step {chunk.last}", phase=Phase.DRAINING
             )
-        if self.group.pending_ready() and chunk.last < self.plan.total:
+        if self._running().replacement_ready() and chunk.last < self.plan.total:
             return Failure(FailureKind.REPLACEMENT_READY, "replacement ready", phase=Phase.DRAINING)
         if slower and chunk.last < self.plan.total:
             return Failure(
@@ -298,7 +302,7 @@ class Controller:
             "step": step,
             "epoch": epoch,
             "cursor": {"epoch": epoch, "step_in_epoch": in_epoch},
-            "world_size": self.group.world,
+            "world_size": self._running().world,
             "metrics": self.run.history.last or {},
             "config": _plain_config(self.cfg),
             "run": self.fingerprint,
@@ -307,11 +311,11 @@ class Controller:
         }
         self.store.save_async(state_ref, manifest)
         self._write_reports()
-        group = self.group
+        group = self._running()
         if (
             step < self.plan.total
             and group.world < self.cfg.workers
-            and not group.pending
+            and not group.spares.replacements
             and self.capacity(self._bundle()) > group.world
         ):
             return Failure(FailureKind.CAPACITY_BACK, "capacity returned", phase=Phase.DRAINING)
@@ -340,6 +344,11 @@ class Controller:
                 self.run = dataclasses.replace(self.run, newest=Checkpoint(step, path, state))
             self.callbacks.checkpoint(path, step)
 
+    def _running(self) -> WorkerGroup:
+        """The group running now (there is one from a successful start to the next drop)."""
+        assert self.group is not None, "no worker group"
+        return self.group
+
     def _bundle(self) -> dict[str, float]:
         return worker_bundle(self.cfg, self.spec.device == "cuda")
 
@@ -367,7 +376,7 @@ def _restore_signals(previous: dict[int, Any]) -> None:
         signal.signal(sig, handler)
 
 
-def _plain_config(cfg: Any) -> dict[str, Any]:
+def _plain_config(cfg: FitConfig) -> dict[str, Any]:
     out = {}
     for name in type(cfg).model_fields:
         value = getattr(cfg, name)

@@ -1,5 +1,7 @@
 """The worker group: placing worker actors and hot spares, joining them into one communicator,
-re-forming it around survivors (warm restarts), tearing it down; every wait has a deadline."""
+re-forming it around survivors (warm restarts), tearing it down; every wait has a deadline.
+
+The spares and replacements it holds are kept by :class:`~raympi.driver.spares.Spares`."""
 
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ from raympi.driver.config import FitConfig
 from raympi.driver.heartbeat import BEAT_S, SILENT_S, Heartbeat, start_hung
 from raympi.driver.policy import Failed, Failure, FailureKind
 from raympi.driver import pool, tune
+from raympi.driver.spares import Joining, Spares, Standby, Starting, succeeded
 from raympi.exceptions import CapacityError, FormationError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
+from raympi.worker.results import Rejoined
 
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
 # a suspected rank that does not answer a ping within this while others do is hung
@@ -70,9 +74,7 @@ class WorkerGroup:
         spares: hot spares to keep: workers started ahead of need (torch imported, model and data
             loaded) outside the communicator, on resources the workers do not use.
 
-    Raises:
-        CapacityError: the workers could not be placed or started within ``startup_timeout_s``.
-        Failed: a worker died or failed while starting (a :class:`~raympi.driver.policy.Failure`).
+    Building one starts nothing; :meth:`start` does.
     """
 
     def __init__(
@@ -86,30 +88,24 @@ class WorkerGroup:
         announce: Callable[[str], None] = lambda text: None,
         spares: int = 0,
     ) -> None:
-        self.cfg = cfg
-        self.world = world
+        self.cfg, self.world, self.spec, self.state, self.ray_dataset = cfg, world, spec, state, ray_dataset
+        self.place_timeout_s, self.announce = place_timeout_s, announce
         self.actors: list[Any] = []
         self.hosts: list[str] = []
         self.nodes: list[str] = []
-        self.pg = None
+        self.bundles: list[int | None] = []  # each rank's bundle of the placement group (None: a spare from outside)
+        self.pids: list[int] = []
+        self.pg: Any = None
         self.owns_pg = True  # False for a Tune trial's placement group: the trial removes it
-        self.pending: list[tuple[Any, Any, Any]] = []  # replacements still starting: (actor, bundle, ready ref)
-        self.spares: list[tuple[Any, Any, Any]] = []  # hot spares outside MPI: (actor, bundle or None, ready ref)
+        self.spares = Spares(target=spares)
         # The standby communicator (see raympi.comm.formation): its actors in rank order, the dead included
-        # until the next derivation; the hot spares inside it (actor, bundle); those taking a failed rank's
-        # place at the next reform; a spare's join in flight (spare, bundle, ready ref, join refs).
+        # until the next derivation, and the spares inside it.
         self.standby: list[Any] = []
-        self.joined: list[tuple[Any, Any]] = []
-        self.incoming: list[tuple[Any, Any]] = []
-        self.joining: tuple[Any, Any, Any, list[Any]] | None = None
         self.lost: list[Any] = []  # actors killed since the last reform (still in the standby communicator)
         self.standby_broken = False  # a join was cut short: the members may disagree on the standby communicator
         self.reformed_by = ""  # how the last reform made its communicator: "derived" or "connected"
-        self.spare_target, self.next_top_up = 0, 0.0  # hot spares to keep; the next try to start a missing one
-        self.spares_used = 0
         self.fresh = True  # no step run yet by a set of processes that all just started (a warm group is not)
-        self.refill: list[int] = []  # bundles freed by spares taken in, for new spares once re-formed
-        deadline = Deadline(cfg.startup_timeout_s, "startup_timeout_s")
+        self.form_s = 0.0  # how long the first formation took
         self.bundle = worker_bundle(cfg, spec.device == "cuda")
         # What parked workers must share with this group to be taken (pool.py): MPI's environment is read once.
         self.key = (
@@ -120,19 +116,32 @@ class WorkerGroup:
             spec.torch_threads,
             cfg.mpi,
         )
+        self._spec_ref: Any = None
+        self._watch: Heartbeat | None = None
+
+    def start(self) -> WorkerGroup:
+        """Place the workers (or take those parked by the last fit), start them, join them into one
+        communicator, give them the state, and start the hot spares; returns the group.
+
+        Raises:
+            CapacityError: the workers could not be placed or started within ``startup_timeout_s``.
+            Failed: a worker died or failed while starting (a :class:`~raympi.driver.policy.Failure`).
+        """
+        cfg, world, spec, announce = self.cfg, self.world, self.spec, self.announce
+        deadline = Deadline(cfg.startup_timeout_s, "startup_timeout_s")
         parked = pool.take(self.key) if cfg.keep_workers and tune.current() is None else None
         if parked is None:
             pool.release()  # parked workers never hold what this group needs
         elif not _answer(parked.actors + parked.spares):  # one died while parked: start afresh
             pool.end(parked)
             parked = None
-        self.parked_spares = parked.spares if parked else []
+        self.spares.parked = parked.spares if parked else []
         try:
             if parked:
                 self.pg, self.bundles, self.actors = parked.pg, list(range(world)), parked.actors
             else:
                 announce(f"placing {world} worker(s) of {self.bundle}")
-                self.bundles = self._place(deadline.sooner(place_timeout_s or cfg.startup_timeout_s))
+                self.bundles = list(self._place(deadline.sooner(self.place_timeout_s or cfg.startup_timeout_s)))
             node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
             self.nodes = [node_of_bundle[i] for i in self.bundles]
             env = {**NCCL_ENV, **cfg.mpi.environment(multi_host=spans_hosts(self.bundle, self.nodes))}
@@ -150,13 +159,7 @@ class WorkerGroup:
                 announce(f"starting {world} worker(s) (each imports torch and unpickles the model and data)")
                 self.actors = [self._spawn(i, i) for i in range(world)]
                 ready = [a.__ray_ready__.remote() for a in self.actors]
-            self.gather(
-                ready,
-                deadline,
-                "starting the workers",
-                startup=True,
-                first_call=True,
-            )
+            self.gather(ready, deadline, "starting the workers", startup=True, first_call=True)
             announce("joining MPI")
             started = time.monotonic()
             members = comm.form(
@@ -168,21 +171,23 @@ class WorkerGroup:
             self.hosts = [host for _, _, host in members]
             self.standby = list(self.actors)
             self.form_s = time.monotonic() - started
-            self.state_ref = state if state is None or isinstance(state, ray.ObjectRef) else ray.put(state)
-            shards = ray_dataset[0].streaming_split(world, equal=True) if ray_dataset else [None] * world
-            columns = ray_dataset[1] if ray_dataset else None
+            state = self.state
+            state_ref = state if state is None or isinstance(state, ray.ObjectRef) else ray.put(state)
+            self.state = None  # (the group keeps no copy of it)
+            shards = self.ray_dataset[0].streaming_split(world, equal=True) if self.ray_dataset else [None] * world
+            columns = self.ray_dataset[1] if self.ray_dataset else None
             self.pids = self.gather(
-                [a.setup.remote(self.state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
+                [a.setup.remote(state_ref, cfg.seed, shards[r], columns) for r, a in enumerate(self.actors)],
                 deadline,
                 "setting up the workers",
                 startup=True,
             )
-            self.spare_target, self.next_top_up = spares, 0.0
-            for _ in range(spares):
+            for _ in range(self.spares.target):
                 self._start_spare(None)
         except BaseException:
             self.shutdown()
             raise
+        return self
 
     def _spawn(self, bundle_index: int | None, rank: int) -> Any:
         """A worker actor in bundle ``bundle_index`` of the placement group, or outside it (``None``: a spare)."""
@@ -193,7 +198,7 @@ class WorkerGroup:
             else "DEFAULT"
         )
         return (
-            ray.remote(concurrency_groups={"health": 1})(Worker)
+            ray.remote(concurrency_groups={"health": 1})(Worker)  # type: ignore[call-overload]
             .options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
@@ -206,16 +211,16 @@ class WorkerGroup:
 
     def _start_spare(self, bundle_index: int | None) -> None:
         """A hot spare in a freed bundle of the group, or outside the group where the cluster has room now."""
-        if bundle_index is None and self.parked_spares:  # a spare of the last fit: it holds its resources already
-            actor = self.parked_spares.pop()
-            self.spares.append((actor, None, actor.reuse.remote(self._spec_ref, -1)))
+        if bundle_index is None and self.spares.parked:  # a spare of the last fit: it holds its resources already
+            actor = self.spares.parked.pop()
+            self.spares.outside.append(Starting(actor, None, actor.reuse.remote(self._spec_ref, -1)))
             return
         if bundle_index is None and (
             self._rescheduling() or any(ray.available_resources().get(k, 0) < v for k, v in self.bundle.items())
         ):
             return  # no room beyond the workers': a spare must never hold what they need
         actor = self._spawn(bundle_index, rank=-1)
-        self.spares.append((actor, bundle_index, actor.__ray_ready__.remote()))
+        self.spares.outside.append(Starting(actor, bundle_index, actor.__ray_ready__.remote()))
 
     def _rescheduling(self) -> bool:
         """Whether Ray is placing a bundle of ours again, lost with its node.  A spare outside the group must
@@ -227,42 +232,36 @@ class WorkerGroup:
         """Kill the ``failed`` ranks; hot spares take their places at once, replacements start in the
         background for the rest where live nodes have room, and new spares start in the freed bundles.
 
-        The spares and replacements wait (``self.pending``) until :meth:`reform` takes them in.
+        The spares and replacements wait (``spares.incoming``, ``spares.replacements``) until :meth:`reform`
+        takes them in.
         """
         for r in failed:
             ray.kill(self.actors[r], no_restart=True)
             self.lost.append(self.actors[r])
         self._settle_join(wait_s=0.2)
         self._drop_dead_spares()  # a spare taken in must be alive: one on a lost node may not be known dead yet
-        alive, ready = [], []
-        for spare in self.spares:
-            done = bool(ray.wait([spare[2]], timeout=0)[0])
-            if done and not succeeded(spare[2]):  # died starting (its node is gone, say)
-                ray.kill(spare[0], no_restart=True)
-                continue
-            (ready if done else alive).append(spare)
-        alive, self.spares = ready + alive, []  # ready spares first
-        room = max(
-            0, cluster_capacity(self.bundle) - (self.world - len(failed)) - len(self.pending) - len(self.incoming)
-        )
+        spares = self.spares
+        alive, spares.outside = spares.sorted_outside(), []  # ready spares first
+        taken = self.world - len(failed) + len(spares.replacements) + len(spares.incoming)
+        room = max(0, cluster_capacity(self.bundle) - taken)
         for r in failed:
-            if self.joined:  # a spare inside the standby communicator: it joins with no new connection
-                self.incoming.append(self.joined.pop(0))
-                self.spares_used += 1
-                self.refill.append(self.bundles[r])
-            elif alive:  # a spare (ready, or nearly) takes the rank; a new spare takes the freed bundle
-                self.pending.append(alive.pop(0))
-                self.spares_used += 1
-                self.refill.append(self.bundles[r])
+            freed = self.bundles[r]
+            if spares.inside or alive:  # a spare takes the rank; a new spare takes the freed bundle
+                if spares.inside:  # one inside the standby communicator: it joins with no new connection
+                    spares.incoming.append(spares.inside.pop(0))
+                else:  # one outside MPI (ready, or nearly)
+                    spares.replacements.append(alive.pop(0))
+                spares.used += 1
+                spares.refill.append(freed)
             elif room > 0:  # a lost node's bundle has nowhere to go until capacity returns
                 room -= 1
-                actor = self._spawn(self.bundles[r], rank=-1)
-                self.pending.append((actor, self.bundles[r], actor.__ray_ready__.remote()))
-        self.spares.extend(alive)
+                actor = self._spawn(freed, rank=-1)
+                spares.replacements.append(Starting(actor, freed, actor.__ray_ready__.remote()))
+        spares.outside.extend(alive)
 
-    def pending_ready(self) -> bool:
-        """Whether a replacement started by :meth:`replace` is ready to join."""
-        return bool(self.pending) and bool(ray.wait([ref for _, _, ref in self.pending], timeout=0)[0])
+    def replacement_ready(self) -> bool:
+        """Whether a replacement started by :meth:`replace` is ready to be taken in (a grow)."""
+        return self.spares.replacement_ready()
 
     def join_spares(self) -> None:
         """Connect one ready hot spare into the standby communicator, if there is one and none is joining.
@@ -273,33 +272,32 @@ class WorkerGroup:
         """
         self._settle_join()
         self._top_up_spares()
-        if self.joining is not None or self.standby_broken or not self.standby:
+        spares = self.spares
+        if spares.joining is not None or self.standby_broken or not self.standby:
             return
-        for spare in self.spares:
-            if ray.wait([spare[2]], timeout=0)[0] and succeeded(spare[2]):
-                self.spares.remove(spare)
-                try:
-                    port = ray.get(spare[0].mpi_open_port.remote(), timeout=SUSPECT_PING_S)
-                except (ray.exceptions.RayError, TimeoutError):
-                    ray.kill(spare[0], no_restart=True)
-                    return
-                refs = [a.mpi_join_standby.remote(port, False) for a in self.standby]
-                self.joining = (spare[0], spare[1], spare[2], [spare[0].mpi_join_standby.remote(port, True), *refs])
-                log.info("raympi: a hot spare joins the standby communicator of %d", len(self.standby))
-                return
+        spare = next((s for s in spares.outside if s.usable()), None)
+        if spare is None:
+            return
+        spares.outside.remove(spare)
+        try:
+            port = ray.get(spare.actor.mpi_open_port.remote(), timeout=SUSPECT_PING_S)
+        except (ray.exceptions.RayError, TimeoutError):
+            ray.kill(spare.actor, no_restart=True)
+            return
+        members = [a.mpi_join_standby.remote(port, False) for a in self.standby]
+        spares.joining = Joining(spare, [spare.actor.mpi_join_standby.remote(port, True), *members])
+        log.info("raympi: a hot spare joins the standby communicator of %d", len(self.standby))
 
     def _top_up_spares(self) -> None:
         """Start a hot spare when fewer than asked for are kept and the cluster has room again (say, once a
         dead worker's resources are released: a restart found none); at most one try a second."""
-        held = len(self.spares) + len(self.joined) + (self.joining is not None)
-        if held >= self.spare_target or self.pending or time.monotonic() < self.next_top_up:
+        spares = self.spares
+        if spares.held() >= spares.target or spares.replacements or time.monotonic() < spares.next_top_up:
             return
         if self.world < self.cfg.workers:  # the group grows back first: a spare must not take its room
             return
-        self.next_top_up = time.monotonic() + 1.0
-        taken = {*self.bundles, *(b for _, b, _ in self.spares), *(b for _, b in self.joined)}
-        if self.joining is not None:
-            taken.add(self.joining[1])
+        spares.next_top_up = time.monotonic() + 1.0
+        taken = {*self.bundles, *spares.bundles()}
         free = [i for i in range(len(placement_group_table(self.pg)["bundles"])) if i not in taken]
         self._start_spare(free[0] if free else None)
 
@@ -310,23 +308,11 @@ class WorkerGroup:
         members that had not started it skip it (their communicator was abandoned) and keep the old standby
         communicator; if one went through, the members disagree on it and the next reform connects anew.
         """
-        if self.joining is None:
-            return
-        spare, bundle, _, refs = self.joining
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-        if len(done) < len(refs) and not wait_s:
-            return  # still queued behind the chunks in flight
-        self.joining = None
-        answers = [ray.get(r) if succeeded(r) else None for r in done]
-        if len(done) == len(refs) and all(isinstance(a, int) for a in answers):
-            self.standby.append(spare)
-            self.joined.append((spare, bundle))
-            log.info("raympi: a hot spare is standby rank %d", answers[0])
-            return
-        log.info("raympi: a hot spare's join was cut short (answers %s of %d)", answers, len(refs))
-        ray.kill(spare, no_restart=True)  # blocked in its accept for good
-        member_answers = [a for r, a in zip(done, answers) if r is not refs[0]]
-        self.standby_broken = any(isinstance(a, int) for a in member_answers)
+        settled = self.spares.settle_join(wait_s)
+        if isinstance(settled, Standby):
+            self.standby.append(settled.actor)
+        elif settled is True:
+            self.standby_broken = True
 
     def reform(self, keep: list[int], root: int, deadline: Deadline) -> None:
         """A new communicator of the old ranks ``keep`` (in order), the hot spares taking failed ranks'
@@ -338,27 +324,22 @@ class WorkerGroup:
         then takes the state of old rank ``root`` by broadcast.  Any failure here leaves the caller to do
         a cold restart.
         """
-        ready: list[tuple[Any, int, Any]] = []
+        spares, ready = self.spares, list[Starting]()
         while True:
-            for item in [p for p in self.pending if ray.wait([p[2]], timeout=0)[0]]:
-                self.pending.remove(item)
-                try:
-                    ray.get(item[2])
-                    ready.append(item)
-                except ray.exceptions.RayError:
-                    ray.kill(item[0], no_restart=True)
-            kept = len(keep) + len(self.incoming) + len(ready)
-            if kept >= self.cfg.min_workers or not self.pending or deadline.expired():
+            ready += spares.take_ready_replacements()
+            kept = len(keep) + len(spares.incoming) + len(ready)
+            if kept >= self.cfg.min_workers or not spares.replacements or deadline.expired():
                 break
-            ray.wait([ref for _, _, ref in self.pending], num_returns=1, timeout=deadline.remaining())
+            ray.wait([s.ready for s in spares.replacements], num_returns=1, timeout=deadline.remaining())
         if kept < self.cfg.min_workers:
             raise CapacityError(
                 f"only {kept} worker(s) could be kept or started, fewer than min_workers={self.cfg.min_workers}"
             )
         self._settle_join(wait_s=max(0.2, min(2.0, deadline.remaining())))
-        actors = [self.actors[r] for r in keep] + [a for a, _ in self.incoming] + [a for a, _, _ in ready]
-        self.bundles = [self.bundles[r] for r in keep] + [b for _, b in self.incoming] + [b for _, b, _ in ready]
-        self.actors, self.world, self.incoming = actors, len(actors), []
+        taken: list[Standby | Starting] = [*spares.incoming, *ready]
+        actors = [self.actors[r] for r in keep] + [s.actor for s in taken]
+        self.bundles = [self.bundles[r] for r in keep] + [s.bundle for s in taken]
+        self.actors, self.world, spares.incoming = actors, len(actors), []
         # Re-forming by connecting hangs now and then after a peer died mid-collective (MPICH over UCX, 1 in
         # 10-30): a short deadline.
         timeout_s = max(1.0, min(deadline.remaining(), max(REFORM_MIN_S, 4 * self.form_s)))
@@ -374,38 +355,39 @@ class WorkerGroup:
             formed = comm.form(actors, **options)  # type: ignore[arg-type]
             self.standby, self.standby_broken, self.reformed_by = list(actors), False, "connected"
             # The spares inside the old standby communicator join the new one as they did the old.
-            self.spares.extend((a, b, a.__ray_ready__.remote()) for a, b in self.joined)
-            self.joined = []
+            spares.outside += [Starting(s.actor, s.bundle, s.actor.__ray_ready__.remote()) for s in spares.inside]
+            spares.inside = []
         self.lost = []
         self.hosts = [host for _, _, host in formed]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
         self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
-        answers = self.gather(
+        answers: list[Rejoined] = self.gather(
             [a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group"
         )
-        lost = next((a for a in answers if isinstance(a, str)), None)
-        if lost is not None:  # the survivors' slices of a sharded state do not make one state
-            raise FormationError(lost)
+        unusable = next((a.unusable for a in answers if a.unusable), None)
+        if unusable is not None:  # the survivors' slices of a sharded state do not make one state
+            raise FormationError(unusable)
         self.fresh = False
         # New spares start only now (one importing torch took the cores re-forming needs: +0.3 s on
         # 2 cores), and only where live nodes have room (never waiting on a lost node's bundle).
-        for bundle_index in self.refill:
-            if cluster_capacity(self.bundle) > self.world + len(self.spares) + len(self.joined):
+        for bundle_index in spares.refill:
+            if cluster_capacity(self.bundle) > self.world + len(spares.outside) + len(spares.inside):
                 self._start_spare(bundle_index)
-        self.refill = []
+        spares.refill = []
 
     def _drop_dead_spares(self) -> None:
         """Ping the hot spares inside the standby communicator; one that died idle (its node lost, say) is
         killed and left out: it stays in the standby communicator only until the next derivation."""
-        if not self.joined:
+        inside = self.spares.inside
+        if not inside:
             return
-        pings = [(a, a.ping.remote()) for a, _ in self.joined]
+        pings = [(s, s.actor.ping.remote()) for s in inside]
         answered, _ = ray.wait([p for _, p in pings], num_returns=len(pings), timeout=SPARE_PING_S)
         for spare, ping in pings:
             if ping not in answered or not succeeded(ping):
-                ray.kill(spare, no_restart=True)
-                self.lost.append(spare)
-                self.joined = [j for j in self.joined if j[0] is not spare]
+                ray.kill(spare.actor, no_restart=True)
+                self.lost.append(spare.actor)
+                inside.remove(spare)
 
     def _place(self, deadline: Deadline) -> list[int]:
         """Reserve a bundle per rank: a placement group of our own, or the Tune trial's; returns each rank's bundle."""
@@ -522,10 +504,9 @@ class WorkerGroup:
 
     def _heartbeat(self) -> Heartbeat:
         """The heartbeat of the current ranks: one for the group's life, new after each reform."""
-        watch = getattr(self, "_watch", None)
-        if watch is None or watch.actors != self.actors:
-            watch = self._watch = Heartbeat(self.actors)
-        return watch
+        if self._watch is None or self._watch.actors != self.actors:
+            self._watch = Heartbeat(self.actors)
+        return self._watch
 
     def abort(self, ranks: Sequence[int]) -> None:
         """Ask ``ranks`` to abandon the collective in flight (answered from their health thread)."""
@@ -614,22 +595,23 @@ class WorkerGroup:
     def _park(self) -> bool:
         """Keep the workers, their placement group and the idle hot spares outside it for the next fit of
         this shape (:mod:`raympi.driver.pool`), when the group is whole and every one of them answers."""
+        held = self.spares
         whole = self.owns_pg and self.pg is not None and self.bundles == list(range(self.world))
-        if not whole or self.pending or self.incoming or self.joining or self.lost or not self.actors:
+        if not whole or held.replacements or held.incoming or held.joining or self.lost or not self.actors:
             return False
         if len(placement_group_table(self.pg)["bundles"]) != self.world:
             return False
-        ready = [a for a, b, ref in self.spares if b is None and ray.wait([ref], timeout=0)[0] and succeeded(ref)]
-        spares = ready + [a for a, b in self.joined if b is None] + self.parked_spares
+        ready = [s.actor for s in held.outside if s.bundle is None and s.usable()]
+        spares = ready + [s.actor for s in held.inside if s.bundle is None] + held.parked
         calls = [a.park.remote() for a in self.actors + spares]
         done, _ = ray.wait(calls, num_returns=len(calls), timeout=PARK_S)
         if len(done) < len(calls) or not all(succeeded(ref) for ref in calls):
             return False
         pool.park(pool.Parked(self.key, pool.job(), self.pg, self.actors, spares))
         kept = {id(a) for a in self.actors + spares}
-        self.spares = [s for s in self.spares if id(s[0]) not in kept]
-        self.joined = [j for j in self.joined if id(j[0]) not in kept]
-        self.actors, self.parked_spares, self.pg = [], [], None
+        held.outside = [s for s in held.outside if id(s.actor) not in kept]
+        held.inside = [s for s in held.inside if id(s.actor) not in kept]
+        self.actors, held.parked, self.pg = [], [], None
         return True
 
     def shutdown(self, park: bool = False) -> None:
@@ -638,14 +620,10 @@ class WorkerGroup:
         if park and self._park():
             self.shutdown()  # what was not kept: spares still starting or in bundles
             return
-        joining = [self.joining[0]] if self.joining else []
-        others = [a for a, _, _ in self.pending + self.spares] + [a for a, _ in self.joined + self.incoming]
-        others += self.parked_spares
-        for actor in self.actors + others + joining:
+        for actor in self.actors + self.spares.actors():
             ray.kill(actor, no_restart=True)
-        self.actors, self.pending, self.spares, self.joined, self.incoming, self.joining = [], [], [], [], [], None
-        self.parked_spares = []
-        self.standby, self.lost = [], []
+        self.actors, self.standby, self.lost = [], [], []
+        self.spares.clear()
         if self.pg is not None and self.owns_pg:
             remove_placement_group(self.pg)
         self.pg = None
@@ -662,12 +640,3 @@ def _answer(actors: list[Any]) -> bool:
     pings = [a.ping.remote() for a in actors]
     done, _ = ray.wait(pings, num_returns=len(pings), timeout=SUSPECT_PING_S)
     return len(done) == len(pings) and all(succeeded(p) for p in pings)
-
-
-def succeeded(ref: Any) -> bool:
-    """Whether a finished task succeeded (a spare that died starting did not)."""
-    try:
-        ray.get(ref, timeout=0)
-        return True
-    except ray.exceptions.RayError:
-        return False

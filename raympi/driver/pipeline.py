@@ -113,10 +113,10 @@ class Pipeline:
     def _evaluated(self, group: Any, refs: list[Any]) -> dict[str, Any]:
         """Rank 0's eval metrics; raises Failed when a rank died or hung, or a collective was abandoned."""
         results = group.gather(refs, Deadline(self.cfg.step_timeout_s, "step_timeout_s"), "evaluation", heartbeat=True)
-        aborted = [r for r, res in enumerate(results) if isinstance(res, dict) and res.get("aborted")]
+        aborted = [r for r, res in enumerate(results) if res.aborted]
         if aborted:
             raise Failed(Failure(FailureKind.COLLECTIVE, f"evaluation: a collective failed on rank(s) {aborted}"))
-        return dict(results[0])
+        return dict(results[0].metrics or {})
 
     def _pay_owed(self, group: Any, start: int, hooks: Hooks) -> Failure | None:
         """The evaluation and checkpoint of step ``start`` that a failure cut short, on the new group;
@@ -184,6 +184,7 @@ class Pipeline:
                 inflight.append(self.submit(group, next_step, count))
                 next_step += count
             if not inflight:  # stopped before anything was sent (the SIGTERM came while starting)
+                assert stop is not None  # (nothing sent, the plan not done: only a stop does that)
                 return self._stopped(group, stop, next_step, hooks)
             chunk = inflight.popleft()
             # The first step of a new group also warms up autograd and MPI's connections: startup time
@@ -197,7 +198,7 @@ class Pipeline:
                 results = group.gather(chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}", heartbeat=True)
             except Failed as failed:
                 return dataclasses.replace(failed.failure, chunks=(chunk, *inflight))
-            aborted = [r for r, res in enumerate(results) if res["aborted"]]
+            aborted = [r for r, res in enumerate(results) if res.aborted]
             if aborted:
                 return Failure(
                     FailureKind.COLLECTIVE,
@@ -215,7 +216,7 @@ class Pipeline:
                     "world_size": group.world,
                     "time": time.time(),
                 }
-                for k, m in enumerate(results[0]["metrics"])
+                for k, m in enumerate(results[0].metrics)
             ]
             if chunk.eval is not None:
                 try:
@@ -224,7 +225,7 @@ class Pipeline:
                     hooks.completed(chunk, records)  # the steps are done: the survivors' state is past them
                     self.owed = (chunk.last, records[-1], chunk.state is not None)
                     return dataclasses.replace(failed.failure, chunks=tuple(inflight))
-            preempted = [r for r, res in enumerate(results) if res["sigterm"]]
+            preempted = [r for r, res in enumerate(results) if res.sigterm]
             if preempted:
                 stop = keep_first(
                     Failure(

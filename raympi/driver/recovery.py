@@ -17,6 +17,7 @@ from typing import Any, Callable
 import ray
 
 from raympi.deadline import Deadline, Expired
+from raympi.driver.config import FitConfig
 from raympi.driver.group import LOST, WorkerGroup
 from raympi.driver.policy import Failed, Failure, FailureKind, Warm, resume_hint
 from raympi.driver.run_state import History, Phase, RestartRecord, RunState
@@ -83,7 +84,7 @@ def _append(run: RunState, record: RestartRecord, failure: Failure | None, **cha
 
 
 def warm(
-    group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cfg: Any, steps_per_epoch: int
+    group: WorkerGroup, decision: Warm, failure: Failure, run: RunState, cfg: FitConfig, steps_per_epoch: int
 ) -> RunState:
     """Survivors abandon the step in flight and keep their state; replacements join by broadcast.
 
@@ -109,8 +110,8 @@ def warm(
                 failed.append(r)
                 group.replace([r])
                 continue
-            done[r] = res["step"]
-            for k, metrics in enumerate(res["metrics"]):
+            done[r] = res.step
+            for k, metrics in enumerate(res.metrics):
                 reported[chunk.first + k + 1] = metrics
         survivors = [r for r in survivors if r not in failed]
         if not survivors:
@@ -160,7 +161,7 @@ def cold(
     bundle: dict[str, float],
     failure: Failure,
     run: RunState,
-    cfg: Any,
+    cfg: FitConfig,
     world_before: int,
 ) -> tuple[WorkerGroup, RunState]:
     """A new group of as many workers as the cluster can host (``min_workers`` to ``workers``,
@@ -227,7 +228,7 @@ def cold(
     )
 
 
-def grow(group: WorkerGroup, failure: Failure, run: RunState, cfg: Any) -> RunState:
+def grow(group: WorkerGroup, failure: Failure, run: RunState, cfg: FitConfig) -> RunState:
     """Take the replacements that are ready into the group (warm: rank 0's state by broadcast)."""
     record = dataclasses.replace(
         record_of(failure, run, group.world), path="warm", restored_step=run.step, steps_lost=0

@@ -45,6 +45,7 @@ from raympi.core.batch import correct_predictions
 from raympi.core.step import make_eval_step, make_train_step
 from raympi.exceptions import CollectiveAborted
 from raympi.worker.checkpoint_io import DirectWriter, Snapshot, StoredState
+from raympi.worker.results import ChunkResult, Evaluated, Rejoined
 from raympi.worker.sources import ArraySource, DatasetSource, StreamSource, arrays_from_refs
 
 __all__ = ["Worker", "WorkerSpec", "accuracy", "to_tensors"]
@@ -175,6 +176,7 @@ class Worker(comm.Member):
         ``shard``: this rank's stream of a ``ray.data.Dataset`` (``streaming_split``).
         """
         if shard is not None:
+            assert columns is not None, "a Ray Dataset's stream comes with its columns"
             self.source = StreamSource(shard, columns)
         assert self.comm is not None and self.comm.rank == self.rank, "form the communicator first"
         self._build_steps()
@@ -199,7 +201,7 @@ class Worker(comm.Member):
         self._own(state_tree)
         return os.getpid()
 
-    def rejoin(self, root: int) -> int | str:
+    def rejoin(self, root: int) -> Rejoined:
         """Warm restart, after a new communicator was formed: take the state of rank ``root`` (a survivor);
         with ``shard_optimizer``, the slices of the optimizer state the survivors hold, re-cut for this group.
 
@@ -213,16 +215,16 @@ class Worker(comm.Member):
             return self._reshard(root)
         tree = self.comm.broadcast(self.state.to_dict() if self.rank == root else None, root=root)
         self._own(TrainState.from_dict(tree))
-        return int(self.state.step)
+        return Rejoined(int(self.state.step))
 
-    def _reshard(self, root: int) -> int | str:
+    def _reshard(self, root: int) -> Rejoined:
         """:meth:`rejoin` of a sharded state: the parameters from ``root``, and every slice of the optimizer
         state from the member that holds it (its own, or its buddy copy) to the ranks that need it."""
         mine = self.state
         try:
             plan = plan_reshard(self.comm.mpi.allgather(Held.of(mine)))
         except SliceLost as lost:
-            return f"{lost}; the run restarts from the newest checkpoint"
+            return Rejoined(-1, f"{lost}; the run restarts from the newest checkpoint")
         size, base = self.comm.size, None
         if self.rank == root:
             skeleton = reshard_skeleton(self.state.opt_state, self.state.params)
@@ -237,8 +239,9 @@ class Worker(comm.Member):
         received = self.comm.mpi.alltoall(parts)
         opt_state = reshard_receive(received, from_plain(skeleton), params, self.rank, size, self.buddy)
         self.state = None  # (the old slices go before the new state's copy is made)
-        self._own(TrainState.from_dict(tree).replace(opt_state=opt_state))
-        return int(self.state.step)
+        new = TrainState.from_dict(tree).replace(opt_state=opt_state)
+        self._own(new)
+        return Rejoined(int(new.step))
 
     def _build_steps(self) -> None:
         self.comm.mpi.Set_errhandler(library.require().ERRORS_RETURN)  # a lost peer raises instead of aborting us
@@ -275,6 +278,7 @@ class Worker(comm.Member):
             if self.sharded:  # the communicator's reduce_scatter, all_gather_ and sum_
                 return self.comm
             return BucketAllreduce(self.comm) if overlap else self.comm.allreduce_
+        assert self.comm is not None
         return process_group.connect(
             self.comm, transport, ray.util.get_node_ip_address(), timeout_s, fp32_reduce=fp32_reduce
         )
@@ -292,10 +296,10 @@ class Worker(comm.Member):
             lambda t: t.pin_memory().to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch
         )
 
-    def run(self, steps: list[tuple[int, Any]], global_batch_size: int) -> dict[str, Any]:
+    def run(self, steps: list[tuple[int, Any]], global_batch_size: int) -> ChunkResult:
         """Take one step per entry of ``steps``: ``(epoch, this rank's sample indices)``.
 
-        Returns ``{"metrics": [...], "step": int, "aborted": bool, "sigterm": bool}``. A step whose
+        Returns a :class:`~raympi.worker.results.ChunkResult`. A step whose
         collective is abandoned (the driver's :meth:`abort`, or MPI reporting a lost peer) leaves the
         state as it was before that step, and the chunk returns early with ``aborted``.
         """
@@ -315,20 +319,20 @@ class Worker(comm.Member):
             if self.logs_hyperparams:
                 metrics.update(optim.current_hyperparams(self.state.opt_state))
             history.append(metrics)
-        return {"metrics": history, "step": int(self.state.step), "aborted": aborted, "sigterm": self.sigterm}
+        return ChunkResult(history, int(self.state.step), aborted=aborted, sigterm=self.sigterm)
 
-    def evaluate(self, index: torch.Tensor, with_ema: bool = False) -> dict[str, Any] | None:
+    def evaluate(self, index: torch.Tensor, with_ema: bool = False) -> Evaluated:
         """Evaluate this rank's share of the eval set (with the EMA parameters when asked and kept);
-        rank 0 returns the global means.  A collective abandoned (a peer failed) returns
-        ``{"aborted": True}``: an infrastructure failure, as in :meth:`run`, never the user's error."""
+        rank 0 returns the global means.  A collective abandoned (a peer failed) is ``aborted``: an
+        infrastructure failure, as in :meth:`run`, never the user's error."""
         ema = optim.ema_params(self.state.opt_state) if with_ema else None
         if ema is not None and self.sharded:  # this rank's pieces of the average: gathered into whole tensors
             layout = ShardLayout.of(self.state.params, self.comm.size)
             try:
                 ema = gather_params(ema, layout, self.grad_sync)
             except (CollectiveAborted, library.require().Exception):
-                return {"aborted": True}
-        state = self.state if ema is None else self.state.replace(params=ema)
+                return Evaluated(aborted=True)
+        state = self._state() if ema is None else self._state().replace(params=ema)
         totals: dict[str, float] = {}
         for chunk in torch.split(index, EVAL_BATCH):
             if len(chunk):
@@ -340,13 +344,13 @@ class Worker(comm.Member):
         try:
             summed = self.comm.allreduce_([sums_here])[0].tolist()
         except (CollectiveAborted, library.require().Exception):
-            return {"aborted": True}
+            return Evaluated(aborted=True)
         if self.rank != 0:
-            return None
+            return Evaluated()
         sums = dict(zip(names, summed))
         samples = max(1.0, sums.pop("samples"))
         # accuracy is NaN where it does not apply (regression): then it is not reported
-        return {f"eval_{k}": v / samples for k, v in sums.items() if v == v}
+        return Evaluated({f"eval_{k}": v / samples for k, v in sums.items() if v == v})
 
     @ray.method(concurrency_group="health")
     def abort(self) -> None:
@@ -394,11 +398,17 @@ class Worker(comm.Member):
         The tensors go as numpy arrays (:func:`raympi.core.pytree.to_arrays`: one copy into the object store).
         On CPU they are the live ones; Ray serializes the return value before the next step runs.
         """
-        return pytree.to_arrays(_tree_to(self._stored(), torch.device("cpu")).to_dict())
+        arrays: dict[str, Any] = pytree.to_arrays(_tree_to(self._stored(), torch.device("cpu")).to_dict())
+        return arrays
+
+    def _state(self) -> TrainState:
+        """The state held (a worker has one from :meth:`setup` on)."""
+        assert self.state is not None, "no state before setup"
+        return self.state
 
     def _stored(self) -> TrainState:
         """The state as a checkpoint holds it: without the buddy copy of another rank's slice (its owner sends it)."""
-        state = self.state
+        state = self._state()
         if isinstance(state.opt_state, ShardedState) and state.opt_state.buddy:
             state = state.replace(opt_state=state.opt_state._replace(buddy=()))
         return state
@@ -448,4 +458,5 @@ def _source(data: Any, kind: str, spec: WorkerSpec, loader_workers: int | None =
 
 
 def _tree_to(state: TrainState, device: torch.device) -> TrainState:
-    return pytree.map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state)
+    moved: TrainState = pytree.map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state)
+    return moved
