@@ -78,9 +78,9 @@ class CheckpointStore(AtomicFolders):
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority
         )
-        self._pending: list[concurrent.futures.Future] = []
-        self._saved: queue.SimpleQueue = queue.SimpleQueue()
-        self._lost: queue.SimpleQueue = queue.SimpleQueue()  # why a write failed, warned on the driver's thread
+        self._pending: list[concurrent.futures.Future[str | None]] = []
+        self._saved: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
+        self._lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # why a write failed, warned on the driver's thread
         try:
             self.fs.makedirs(self._path, exist_ok=True)
             probe = posixpath.join(self._path, f".write-test-{os.getpid()}")
@@ -138,7 +138,7 @@ class CheckpointStore(AtomicFolders):
             del self._requested[tmp]
             self._pending.append(self._writer.submit(self._forget, tmp))
 
-    def save_async(self, state: Any, manifest: dict[str, Any]) -> concurrent.futures.Future:
+    def save_async(self, state: Any, manifest: dict[str, Any]) -> concurrent.futures.Future[str | None]:
         """Write in the background; ``state`` may be a Ray object ref (fetched by the writer) or a
         :class:`DirectRequest` (rank 0 writes, the writer commits).
 
@@ -355,7 +355,7 @@ def _read_file(fs: Any, folder: str, name: str) -> dict[str, Any]:
         return torch.load(io.BytesIO(f.read()), weights_only=True)  # type: ignore[no-any-return]
 
 
-def _drain(messages: queue.SimpleQueue) -> list[Any]:
+def _drain(messages: queue.SimpleQueue[Any]) -> list[Any]:
     out = []
     while True:
         try:

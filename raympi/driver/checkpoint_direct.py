@@ -75,7 +75,7 @@ def await_write(request: DirectRequest, step: int, timeout_s: float) -> dict[str
                 raise RuntimeError(
                     f"rank {request.rank} could not write the checkpoint of step {step}: {status['error']}"
                 )
-            return status
+            return dict(status)
         if status["written"] != last:
             last, since = status["written"], time.monotonic()
         elif time.monotonic() - since > timeout_s:

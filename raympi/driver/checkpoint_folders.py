@@ -73,7 +73,7 @@ class AtomicFolders:
 
     def _why_lost(self, name: str, exc: OSError, needed: int) -> str:
         """A failed write's message: the folder, on a full disk the space, and the checkpoint a restart uses."""
-        full = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno)
+        full = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno or 0)
         free = f"{shutil.disk_usage(self._path).free / 1e6:.1f} MB free, " if full and _is_local(self.root) else ""
         why = (
             f"{full} on {self._path} ({free}{needed / 1e6:.1f} MB needed)"
@@ -129,7 +129,10 @@ class AtomicFolders:
 def _alive(pid: int) -> bool:
     """Whether another process ``pid`` runs on this host (this one's folders not in flight are failed writes)."""
     try:
-        return pid != os.getpid() and os.kill(pid, 0) is None
+        if pid == os.getpid():
+            return False
+        os.kill(pid, 0)
+        return True
     except ProcessLookupError:
         return False
     except OSError:  # EPERM: another user's process

@@ -62,6 +62,7 @@ def _as_tensor(x: Any) -> torch.Tensor | None:
 def _arrays(dataset: Any) -> Any:
     """``(inputs, targets)`` (or a dict of inputs alone) as a tree of tensors when ``dataset`` is given in
     memory, else None."""
+    inputs: Any
     if isinstance(dataset, dict):
         inputs = {k: _as_tensor(v) for k, v in dataset.items()}
         bad = sorted(k for k, t in inputs.items() if t is None or t.ndim == 0)

@@ -10,6 +10,8 @@ none, this is plain ``ray.init``.
 
 from __future__ import annotations
 
+import logging
+
 from typing import Callable
 
 import ray
@@ -23,12 +25,12 @@ def start() -> Callable[[], None]:
         from ray._private.node import Node
         from ray._private.parameter import RayParams
     except ImportError:
-        ray.init(address="local", include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", include_dashboard=False, logging_level=logging.ERROR)
         return ray.shutdown
     # As ray.init starts it (its own stop is ours: no SIGTERM handler of Ray's over fit's); the reaper
     # ends Ray's processes if this driver dies.
     node = Node(
-        RayParams(include_dashboard=False, include_log_monitor=False),
+        RayParams(include_dashboard=False, include_log_monitor=False),  # type: ignore[arg-type]  # (a bool, as Ray reads it)
         head=True,
         shutdown_at_exit=False,
         spawn_reaper=True,
@@ -41,7 +43,7 @@ def start() -> Callable[[], None]:
         node.kill_all_processes(check_alive=False, allow_graceful=True)
 
     try:
-        ray.init(address=node.address, logging_level="ERROR")
+        ray.init(address=node.address, logging_level=logging.ERROR)
         node.start_log_monitor()
     except BaseException:
         stop()

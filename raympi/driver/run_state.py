@@ -101,7 +101,7 @@ class History:
         return self._length
 
     def __iter__(self) -> Iterator[StepRecord]:
-        chunks, node = [], self
+        chunks, node = [], self  # type: tuple[list[tuple[StepRecord, ...]], History | None]
         while node is not None:
             chunks.append(node._chunk)
             node = node._rest

@@ -94,7 +94,7 @@ def write_state(fs: Any, path: str, tree: dict[str, Any], local: bool, progress:
         out = _Hashing(f)
         if progress is not None:
             progress["out"] = out
-        torch.save(tree, out)
+        torch.save(tree, out)  # type: ignore[arg-type]  # (a file-like object: write() is all torch.save uses)
         if local:
             f.flush()
             os.fsync(f.fileno())
@@ -128,7 +128,7 @@ def verify(fs: Any, folder: str) -> dict[str, Any]:
         ValueError: a checksum differs (a torn or damaged file).
     """
     with fs.open(posixpath.join(folder, "manifest.json"), "rb") as f:
-        manifest = json.loads(f.read())
+        manifest: dict[str, Any] = json.loads(f.read())
     for name, expected, nbytes in _files(manifest):
         sha, size = hashlib.sha256(), 0
         with fs.open(posixpath.join(folder, name), "rb") as f:
@@ -299,7 +299,8 @@ class DirectWriter:
         else:
             old = [b.copy_(t) if isinstance(t, torch.Tensor) else t for b, t in zip(old, leaves)]
         self._buffers = old
-        return pytree.unflatten(old, spec)
+        copied: dict[str, Any] = pytree.unflatten(old, spec)
+        return copied
 
     def _write(self, tree: dict[str, Any], fs: Any, file: str, status: dict[str, Any]) -> None:
         try:
