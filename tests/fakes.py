@@ -28,6 +28,9 @@ class FakeGroup:
     def start(self) -> "FakeGroup":
         return self
 
+    def label_silent(self, wait: bool = False) -> list[tuple[int, bool]]:
+        return []
+
     def replacement_ready(self) -> bool:
         return False
 

@@ -244,6 +244,7 @@ class Controller:
         return None
 
     def _finish(self) -> RunState:
+        self._relabel(wait=True)
         self.store.wait()
         self._collect()
         self._write_reports(plot=True)
@@ -275,6 +276,7 @@ class Controller:
             pace=pace,
         )
         self._collect()
+        self._relabel()
         self.progress.update(chunk.last, records[-1], force=chunk.eval is not None or chunk.last == self.plan.total)
         if self.callbacks.steps(records) and chunk.last < self.plan.total:
             return Failure(
@@ -343,6 +345,23 @@ class Controller:
             if self.run.newest is None or step >= self.run.newest.step:
                 self.run = dataclasses.replace(self.run, newest=Checkpoint(step, path, state))
             self.callbacks.checkpoint(path, step)
+
+    def _relabel(self, wait: bool = False) -> None:
+        """Label the restarts acted on as soon as a rank fell silent, now that Ray has said (or, within
+        ``DEATH_NOTICE_S``, not said) whether its process died: lost, or hung (``wait``: for every label)."""
+        labels = self.group.label_silent(wait) if self.group is not None else []
+        restarts = list(self.run.restarts)
+        for rank, died in labels:
+            at = [i for i, r in enumerate(restarts) if r.kind == FailureKind.HUNG.value and rank in r.ranks]
+            if not at:
+                continue
+            record = restarts[at[-1]]
+            how = "its process had died" if died else "its process was alive but silent (stopped or hung)"
+            kind = FailureKind.WORKER_LOST if died else FailureKind.HUNG
+            restarts[at[-1]] = dataclasses.replace(record, kind=kind.value, cause=f"{record.cause}; rank {rank}: {how}")
+            log.info("raympi: the rank %d replaced at step %d: %s", rank, record.step, how)
+        if labels:
+            self.run = dataclasses.replace(self.run, restarts=tuple(restarts))
 
     def _running(self) -> WorkerGroup:
         """The group running now (there is one from a successful start to the next drop)."""

@@ -31,8 +31,8 @@ from raympi.worker.results import Rejoined
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
 # a suspected rank that does not answer a ping within this while others do is hung
 SUSPECT_PING_S = 1.5
-# a silent rank's call gets this long for Ray's word that its process died (late on a loaded machine): a lost
-# worker is reported as lost, not as hung
+# A silent rank is replaced at once; its call then gets this long (from when it was found silent) for Ray's word
+# that its process died (late on a loaded machine), which labels the failure (lost, not hung) after the fact.
 DEATH_NOTICE_S = 1.0
 PARK_S = 2.0  # how long workers may take to drop a finished run before they are killed rather than kept
 # an idle hot spare that does not answer a ping within this is left out of a derivation
@@ -58,6 +58,17 @@ log = logging.getLogger("raympi")
 
 #: What :meth:`WorkerGroup.outcomes` gives for a rank whose actor died.
 LOST = "lost"
+
+
+@dataclasses.dataclass
+class Silent:
+    """A rank found silent (its call unanswered, pings too) and replaced before Ray said whether its process
+    died: :meth:`WorkerGroup.label_silent` labels it and only then kills it."""
+
+    rank: int
+    actor: Any
+    call: Any
+    since: float
 
 
 class WorkerGroup:
@@ -118,6 +129,9 @@ class WorkerGroup:
         )
         self._spec_ref: Any = None
         self._watch: Heartbeat | None = None
+        self.silent_found: list[Silent] = []  # ranks the last failure found silent, not yet replaced
+        self.unlabelled: list[Silent] = []  # ranks replaced while silent, their label (died or hung) not yet known
+        self.labelled: list[tuple[int, bool]] = []  # labels known, not yet asked for (label_silent)
 
     def start(self) -> WorkerGroup:
         """Place the workers (or take those parked by the last fit), start them, join them into one
@@ -229,14 +243,18 @@ class WorkerGroup:
         return self.pg is not None and placement_group_table(self.pg).get("state") == "RESCHEDULING"
 
     def replace(self, failed: list[int]) -> None:
-        """Kill the ``failed`` ranks; hot spares take their places at once, replacements start in the
-        background for the rest where live nodes have room, and new spares start in the freed bundles.
+        """Kill the ``failed`` ranks (one found silent and replaced by a spare, once labelled: :meth:`label_silent`);
+        hot spares take their places at once, replacements start in the background for the rest where live
+        nodes have room, and new spares start in the freed bundles.
 
         The spares and replacements wait (``spares.incoming``, ``spares.replacements``) until :meth:`reform`
         takes them in.
         """
+        silent = {s.rank: s for s in self.silent_found if s.actor is self.actors[s.rank]}
+        self.silent_found = []
         for r in failed:
-            ray.kill(self.actors[r], no_restart=True)
+            if r not in silent:
+                ray.kill(self.actors[r], no_restart=True)
             self.lost.append(self.actors[r])
         self._settle_join(wait_s=0.2)
         self._drop_dead_spares()  # a spare taken in must be alive: one on a lost node may not be known dead yet
@@ -245,8 +263,13 @@ class WorkerGroup:
         taken = self.world - len(failed) + len(spares.replacements) + len(spares.incoming)
         room = max(0, cluster_capacity(self.bundle) - taken)
         for r in failed:
-            freed = self.bundles[r]
-            if spares.inside or alive:  # a spare takes the rank; a new spare takes the freed bundle
+            freed, spare = self.bundles[r], bool(spares.inside or alive)
+            if r in silent and spare:  # killed once labelled (label_silent): Ray may yet say that it died
+                self.unlabelled.append(silent[r])
+            elif r in silent:  # a replacement started in its bundle needs that room now: labelled and killed first
+                self.unlabelled.append(silent[r])
+                self.labelled += self._label(silent[r], wait=True)
+            if spare:  # a spare takes the rank; a new spare takes the freed bundle
                 if spares.inside:  # one inside the standby communicator: it joins with no new connection
                     spares.incoming.append(spares.inside.pop(0))
                 else:  # one outside MPI (ready, or nearly)
@@ -473,15 +496,22 @@ class WorkerGroup:
                             )
                         )
                     stuck = watch.silent() if watch is not None else []
-                    if stuck:  # the others answered later pings: hung, not merely slow, unless it died
+                    if stuck:  # the others answered later pings: hung or dead, not merely slow
                         late = [ref for ref in pending if rank_of[ref] in stuck]
-                        settled = ray.wait(late, num_returns=len(late), timeout=DEATH_NOTICE_S)[0] if late else []
-                        for ref in settled:  # raises Failed (worker lost) where Ray now reports it dead
+                        settled = ray.wait(late, num_returns=len(late), timeout=0)[0] if late else []
+                        for ref in settled:  # raises Failed (worker lost) where Ray reports it dead already
                             pending.remove(ref)
                             self._check(ref, rank_of[ref], what, first_call=first_call)
                         if late and len(settled) == len(late):  # they finished their calls after all: slow
                             continue
                         stuck = sorted(set(stuck) - {rank_of[ref] for ref in settled})
+                        # Acted on at once: whether the process died or hung is settled after the restart.
+                        now = time.monotonic()
+                        self.silent_found = [
+                            Silent(rank_of[ref], self.actors[rank_of[ref]], ref, now)
+                            for ref in late
+                            if ref not in settled
+                        ]
                         raise Failed(
                             self._failure(
                                 FailureKind.HUNG,
@@ -501,6 +531,33 @@ class WorkerGroup:
                 raise CapacityError(message) from None
             raise Failed(self._failure(FailureKind.HUNG, message, stuck)) from None
         return ray.get(list(refs))
+
+    def label_silent(self, wait: bool = False) -> list[tuple[int, bool]]:
+        """``(rank, died)`` of the ranks replaced while silent whose label is now known: ``died`` when Ray
+        reported the process gone within ``DEATH_NOTICE_S`` of its silence, else it was alive but hung
+        (stopped, frozen).  Each is killed once labelled.  ``wait``: wait for the labels still open."""
+        out, self.labelled = self.labelled, []
+        for silent in list(self.unlabelled):
+            out += self._label(silent, wait)
+        return out
+
+    def _label(self, silent: Silent, wait: bool) -> list[tuple[int, bool]]:
+        """:meth:`label_silent` of one rank: ``[]`` while its label is open."""
+        remaining = DEATH_NOTICE_S - (time.monotonic() - silent.since)
+        done = bool(ray.wait([silent.call], timeout=max(0.0, remaining) if wait else 0)[0])
+        if not done and remaining > 0 and not wait:
+            return []
+        died = False
+        if done:
+            try:
+                ray.get(silent.call, timeout=0)
+            except ray.exceptions.RayActorError:
+                died = True
+            except ray.exceptions.RayError:
+                pass
+        ray.kill(silent.actor, no_restart=True)
+        self.unlabelled.remove(silent)
+        return [(silent.rank, died)]
 
     def _heartbeat(self) -> Heartbeat:
         """The heartbeat of the current ranks: one for the group's life, new after each reform."""
@@ -620,9 +677,9 @@ class WorkerGroup:
         if park and self._park():
             self.shutdown()  # what was not kept: spares still starting or in bundles
             return
-        for actor in self.actors + self.spares.actors():
+        for actor in self.actors + self.spares.actors() + [s.actor for s in self.unlabelled]:
             ray.kill(actor, no_restart=True)
-        self.actors, self.standby, self.lost = [], [], []
+        self.actors, self.standby, self.lost, self.unlabelled = [], [], [], []
         self.spares.clear()
         if self.pg is not None and self.owns_pg:
             remove_placement_group(self.pg)
