@@ -16,7 +16,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from raympi.core.optim import GradientTransformation
 from raympi.exceptions import ConfigError
 
-__all__ = ["FitConfig", "MPIConfig", "parse_config"]
+__all__ = ["FitConfig", "MPIConfig", "UNSET", "parse_config"]
+
+
+class _Unset:
+    """The type of :data:`UNSET` (one instance)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:
+        return "UNSET"  # unpickled as this module's one instance
+
+
+#: The default of an option of :func:`raympi.fit` whose default :class:`FitConfig` computes when ``fit`` runs (a
+#: fresh dict or list, an environment variable): ``fit`` leaves it out of :func:`parse_config`, so the computed
+#: default applies. Typed ``Any`` so that it may stand as the default of a parameter of any type.
+UNSET: Any = _Unset()
 
 
 class MPIConfig(BaseModel):
@@ -37,20 +53,20 @@ class MPIConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     netmod: Literal["auto", "ofi", "ucx"] = Field(
-        "auto",
+        default="auto",
         description="MPICH ch4 network module (MPIR_CVAR_CH4_NETMOD); 'auto': ucx when the cluster is one host, "
         "ofi when ranks may span hosts",
     )
-    provider: Optional[str] = Field("tcp", description="libfabric provider with netmod='ofi' (FI_PROVIDER)")
+    provider: Optional[str] = Field(default="tcp", description="libfabric provider with netmod='ofi' (FI_PROVIDER)")
     interface: Optional[str] = Field(
-        None, description="network interface MPI should use, e.g. 'eth0' (FI_TCP_IFACE / UCX_NET_DEVICES)"
+        default=None, description="network interface MPI should use, e.g. 'eth0' (FI_TCP_IFACE / UCX_NET_DEVICES)"
     )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the MPI library")
 
     def environment(self, multi_host: bool) -> dict[str, str]:
         """The environment variables every rank of a group starts with."""
         netmod = self.netmod if self.netmod != "auto" else ("ofi" if multi_host else "ucx")
-        env = {"MPIR_CVAR_CH4_NETMOD": netmod}
+        env: dict[str, str] = {"MPIR_CVAR_CH4_NETMOD": netmod}
         if netmod == "ofi" and self.provider:
             env["FI_PROVIDER"] = self.provider
         if netmod == "ucx":
@@ -63,7 +79,8 @@ class MPIConfig(BaseModel):
 
 
 class FitConfig(BaseModel):
-    """Every option of :func:`raympi.fit` (see the README's table)."""
+    """Every option of :func:`raympi.fit`, each a parameter of it (keyword-only after ``workers``); the options
+    page of the guide groups them by purpose."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
@@ -202,7 +219,8 @@ class FitConfig(BaseModel):
         default_factory=list,
         description="objects with on_step / on_eval / on_checkpoint / on_restart methods (raympi.callbacks)",
     )
-    mpi: MPIConfig = Field(default_factory=MPIConfig)
+    # (a lambda: given the class itself, mypy can pick neither of Field's default_factory overloads)
+    mpi: MPIConfig = Field(default_factory=lambda: MPIConfig())
 
     @field_validator("optimizer")
     @classmethod
@@ -217,10 +235,10 @@ class FitConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "FitConfig":
-        if self.min_workers is None:
-            object.__setattr__(self, "min_workers", self.workers)
-        if self.min_workers > self.workers:
-            raise ValueError(f"min_workers={self.min_workers} is larger than workers={self.workers}")
+        min_workers = self.workers if self.min_workers is None else self.min_workers
+        object.__setattr__(self, "min_workers", min_workers)
+        if min_workers > self.workers:
+            raise ValueError(f"min_workers={min_workers} is larger than workers={self.workers}")
         if self.overlap and self.compression:
             raise ValueError(
                 f"overlap=True does not combine with compression={self.compression!r}: "

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import os
-from typing import Any, Callable
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Literal, NoReturn
 
 import ray
 import torch
@@ -26,7 +28,7 @@ from raympi.core.step import make_train_step
 from raympi.driver import data, local_ray, report, tune
 from raympi.driver.capacity import worker_bundle
 from raympi.driver.checkpoint import CheckpointStore
-from raympi.driver.config import FitConfig, parse_config
+from raympi.driver.config import UNSET, FitConfig, MPIConfig, parse_config
 from raympi.driver.controller import Controller
 from raympi.driver.pipeline import ChunkPlan, Pipeline
 from raympi.driver.report import read_metrics
@@ -63,15 +65,94 @@ class Result:
     ema: dict[str, torch.Tensor] | None = None
 
 
-def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) -> Result:
+def fit(
+    model: torch.nn.Module,
+    dataset: Any,
+    workers: int = 1,
+    *,
+    # length and batch
+    epochs: int = 1,
+    max_steps: int | None = None,
+    batch_size: int = 64,
+    seed: int = 0,
+    # model and optimization
+    optimizer: optim.GradientTransformation | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    metrics: Mapping[str, Callable[..., Any]] = UNSET,
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32",
+    accumulate: int = 1,
+    on_nonfinite: Literal["raise", "skip"] = "raise",
+    shard_optimizer: bool = False,
+    shard_buddy: bool = True,
+    # data
+    columns: tuple[str, str] | None = None,
+    loader_workers: int | None = None,
+    torch_threads: int | None = None,
+    # evaluation
+    eval_dataset: Any = None,
+    eval_every: int = 0,
+    eval_with_ema: bool = False,
+    # checkpoints
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
+    keep_checkpoints: int = 3,
+    direct_checkpoint_bytes: int | None = 2**30,
+    resume: bool = False,
+    # cluster and placement
+    address: str | None = None,
+    use_gpu: bool | None = None,
+    resources_per_worker: Mapping[str, float] = UNSET,
+    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"] = "SPREAD",
+    keep_workers: bool = UNSET,
+    # fault tolerance
+    min_workers: int | None = None,
+    max_restarts: int = 3,
+    spares: int | None = None,
+    startup_timeout_s: float = 120.0,
+    step_timeout_s: float = 10.0,
+    restart_timeout_s: float = 60.0,
+    # communication
+    grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = "auto",
+    bucket_bytes: int = 16 * 2**20,
+    overlap: bool | None = None,
+    compression: Literal["bf16", "fp16"] | None = None,
+    fp32_reduce: bool = False,
+    mpi: MPIConfig = UNSET,
+    # reporting
+    progress: bool | None = None,
+    callbacks: Sequence[Any] = UNSET,
+    **unknown: NoReturn,
+) -> Result:
     """Train ``model`` on ``dataset`` data-parallel over ``workers`` Ray actors joined by MPI.
+
+    The options follow ``workers`` as keyword-only parameters, grouped as on the options page of the guide, which
+    explains each; :class:`~raympi.driver.config.FitConfig` validates them (and describes each) before any actor
+    starts. A default of :data:`~raympi.driver.config.UNSET` is made when ``fit`` runs.
+
+    - length and batch: ``epochs``, ``max_steps``, ``batch_size`` (the global batch, split over the ranks),
+      ``seed``;
+    - model and optimization: ``optimizer`` (a :mod:`raympi.optim` transform; default ``raympi.optim.adam(1e-3)``),
+      ``loss_fn`` (default: the model's own loss, else cross-entropy), ``metrics``, ``precision``, ``accumulate``,
+      ``on_nonfinite``, ``shard_optimizer``, ``shard_buddy``;
+    - data: ``columns``, ``loader_workers``, ``torch_threads``;
+    - evaluation: ``eval_dataset``, ``eval_every``, ``eval_with_ema``;
+    - checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints``, ``direct_checkpoint_bytes``,
+      ``resume``;
+    - cluster and placement: ``address``, ``use_gpu``, ``resources_per_worker`` (default ``{"CPU": 1}``),
+      ``placement_strategy``, ``keep_workers`` (default: the environment variable ``RAYMPI_KEEP_WORKERS=1``);
+    - fault tolerance: ``min_workers``, ``max_restarts``, ``spares``, ``startup_timeout_s``, ``step_timeout_s``,
+      ``restart_timeout_s``;
+    - communication: ``grad_transport``, ``bucket_bytes``, ``overlap``, ``compression``, ``fp32_reduce``, ``mpi``
+      (default ``MPIConfig()``);
+    - reporting: ``progress``, ``callbacks``.
 
     Args:
         model: the ``nn.Module`` to train; it is copied to every worker and receives the trained weights.
         dataset: a map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs, or an
             ``(inputs, targets)`` tuple of tensors or arrays.
-        workers: the number of ranks.
-        **options: see :class:`raympi.driver.config.FitConfig` and the options page of the guide.
+        workers: the number of ranks (one Ray actor each).
+        **unknown: no option: a name that is none of the above is a :class:`~raympi.exceptions.ConfigError` that
+            lists the known options (typed ``NoReturn``, so that a type checker reports it too).
 
     Returns:
         A :class:`Result`.
@@ -85,7 +166,14 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         >>> result = raympi.fit(Net(), (images, labels), workers=2, epochs=1, batch_size=64)  # doctest: +SKIP
         >>> result.metrics[-1]["loss"]  # doctest: +SKIP
     """
-    cfg = parse_config(workers=workers, **options)
+    given = dict(locals())  # the parameters alone, as nothing else is bound yet
+    options = {name: given[name] for name in FitConfig.model_fields if given[name] is not UNSET}
+    return _fit(model, dataset, parse_config(**options, **unknown))
+
+
+def _fit(model: torch.nn.Module, dataset: Any, cfg: FitConfig) -> Result:
+    """:func:`fit` once its options are validated; it reads them from ``cfg`` only (a parameter of ``fit`` such
+    as ``grad_transport`` would hide the function of that name here)."""
     slots = tune.in_trial(cfg.workers)
     if slots is not None:
         cfg = _in_trial(cfg, slots)
@@ -100,6 +188,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
     loss_fn = cfg.loss_fn or default_loss
     stop_ray: Callable[[], None] | None = None  # set where this fit starts Ray itself
     ray_dataset, train = None, None
+    sample: Any  # (inputs, targets) or a dict of inputs, to try a step on; None where not read on the driver
     announce = report.Announcer(cfg.progress)
     if _is_ray_dataset(dataset):
         stop_ray = _connect_ray(cfg)  # a Ray Dataset needs Ray to be read
@@ -114,7 +203,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         train = data.inspect(dataset)
         num_samples, sample = train.length, train.value if train.kind == "arrays" else None
     eval_data = data.inspect(cfg.eval_dataset, "eval_dataset") if cfg.eval_dataset is not None else None
-    worlds = range(cfg.min_workers, cfg.workers + 1)
+    worlds = range(cfg.min_workers or cfg.workers, cfg.workers + 1)  # (FitConfig sets min_workers)
     sampler = data.Sampler(cfg.seed, cfg.batch_size, num_samples, worlds, sharded=ray_dataset is not None)
     if sample is not None:  # a Dataset is never read on the driver: its first step checks it
         _dry_run(model, loss_fn, optimizer, sample, cfg)
@@ -191,7 +280,9 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
         final = Controller(cfg, spec, pipeline, store, run, ray_dataset, announce, fingerprint).fit()
         # The driver's copy may be read-only object-store memory: hand the user tensors of their own.
         # A large state was written by rank 0 and never came here: it is read from storage now, once.
-        kept = final.newest.state
+        newest = final.newest
+        assert newest is not None, "a run that ends well has written its last checkpoint"
+        kept = newest.state
         kept = kept.load() if isinstance(kept, StoredState) else kept
         state = pytree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, TrainState.from_dict(kept))
         model.load_state_dict({**state.params, **state.buffers}, strict=False)
@@ -199,7 +290,7 @@ def fit(model: torch.nn.Module, dataset: Any, workers: int = 1, **options: Any) 
             state=state,
             model=model,
             metrics=list(final.history),
-            checkpoint=final.newest.path,
+            checkpoint=newest.path,
             restarts=[r.as_dict() for r in final.restarts],
             ema=optim.ema_params(state.opt_state),
         )
@@ -366,7 +457,13 @@ def _is_ray_dataset(dataset: Any) -> bool:
     return type(dataset).__module__.startswith("ray.data") and hasattr(dataset, "split")
 
 
-def _dry_run(model, loss_fn, optimizer, sample, cfg: FitConfig) -> None:
+def _dry_run(
+    model: torch.nn.Module,
+    loss_fn: Callable[..., Any],
+    optimizer: optim.GradientTransformation,
+    sample: Any,
+    cfg: FitConfig,
+) -> None:
     """One step on two in-memory samples in the driver: a data/model mismatch is caught before any actor starts.
 
     ``sample``: ``(inputs, targets)`` tensors, or a dict of inputs alone."""
@@ -393,6 +490,6 @@ def _connect_ray(cfg: FitConfig) -> Callable[[], None] | None:
         return None
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
-        ray.init(address=address, logging_level="ERROR")
+        ray.init(address=address, logging_level=logging.ERROR)
         return None
     return local_ray.start()
