@@ -8,7 +8,7 @@ library is checked when ``fit()`` or ``comm.form()`` first needs it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raympi import comm
 from raympi.exceptions import (
@@ -26,6 +26,14 @@ from raympi.exceptions import (
 )
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what editors and type checkers see of the names loaded on first use
+    from raympi.core import LossScaling, TrainState, make_eval_step, make_train_step, optim
+    from raympi.driver import callbacks, tune
+    from raympi.driver.checkpoint import load_checkpoint
+    from raympi.driver.config import FitConfig, MPIConfig
+    from raympi.driver.fit import Result, fit
+    from raympi.driver.pool import release_workers
 
 # Loaded on first use: the driver imports Ray and the core torch, and a light MPI member
 # (``raympi.comm`` alone) needs neither.

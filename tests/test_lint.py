@@ -1,5 +1,5 @@
 """The code passes ``ruff check`` with the project's rules, ``ruff format --check``, and ``mypy`` (strict on
-``raympi.core`` and ``raympi.comm``), all configured in pyproject.toml, as CI runs them through these tests."""
+the whole package: core, comm, driver and worker), all configured in pyproject.toml, as CI runs them through these tests."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def test_ruff_check_is_clean():
 
 
 @pytest.mark.slow  # a cold mypy (no .mypy_cache) reads torch's stubs: up to a minute of CPU
-def test_mypy_strict_on_core_and_comm():
+def test_mypy_strict_on_the_whole_package():
     mypy = shutil.which("mypy", path=str(Path(sys.executable).parent)) or shutil.which("mypy")
     assert mypy, "mypy is not installed: pip install -e '.[test]' installs it"
-    # No arguments: pyproject.toml's [tool.mypy] names the files (raympi/core, raympi/comm) and the strict settings.
+    # No arguments: pyproject.toml's [tool.mypy] names the files (all of raympi/) and the strict settings.
     done = subprocess.run([mypy], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr
 

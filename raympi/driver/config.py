@@ -233,6 +233,11 @@ class FitConfig(BaseModel):
             )
         return value
 
+    @property
+    def min_ranks(self) -> int:
+        """The fewest ranks a run goes on with (``min_workers`` as validated, ``workers`` where it was unset)."""
+        return self.workers if self.min_workers is None else self.min_workers
+
     @model_validator(mode="after")
     def _check(self) -> "FitConfig":
         min_workers = self.workers if self.min_workers is None else self.min_workers

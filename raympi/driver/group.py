@@ -351,10 +351,10 @@ class WorkerGroup:
         while True:
             ready += spares.take_ready_replacements()
             kept = len(keep) + len(spares.incoming) + len(ready)
-            if kept >= self.cfg.min_workers or not spares.replacements or deadline.expired():
+            if kept >= self.cfg.min_ranks or not spares.replacements or deadline.expired():
                 break
             ray.wait([s.ready for s in spares.replacements], num_returns=1, timeout=deadline.remaining())
-        if kept < self.cfg.min_workers:
+        if kept < self.cfg.min_ranks:
             raise CapacityError(
                 f"only {kept} worker(s) could be kept or started, fewer than min_workers={self.cfg.min_workers}"
             )

@@ -227,7 +227,7 @@ def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capac
         and bool(failed)
         and bool(survivors)
         and kind is not FailureKind.FORMATION
-        and len(survivors) + min(room, len(failed)) >= config.min_workers
+        and len(survivors) + min(room, len(failed)) >= config.min_ranks
     )
     if kind is FailureKind.PREEMPTED and warm:  # the preempted rank is replaced, its peers keep their state
         return Warm(survivors=survivors, failed=failed)

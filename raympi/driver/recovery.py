@@ -195,7 +195,7 @@ def cold(
             last_error = error
             # Ray may still count a cut-off node as alive: ask for one worker fewer next time
             # (a later checkpoint grows the group back once the capacity is real).
-            cap = max(cfg.min_workers, world - 1)
+            cap = max(cfg.min_ranks, world - 1)
             return None
         done = dataclasses.replace(
             record, world_after=group.world, steps_lost=max(0, record.step - step), restored_step=step
@@ -205,7 +205,7 @@ def cold(
     overran = False  # the last try started before the deadline and failed after it
     for remaining in deadline.backoff(first_s=0.05, most_s=1.0):
         world = min(cap, capacity(bundle))
-        if world >= cfg.min_workers:
+        if world >= cfg.min_ranks:
             in_time = not deadline.expired()
             started = attempt(world, min(5.0, max(1.0, remaining)))
             if started:
@@ -215,12 +215,12 @@ def cold(
     # started, a formation cut short) earns one more, where there is room.
     if overran:
         world = min(cap, capacity(bundle))
-        started = attempt(world, 5.0) if world >= cfg.min_workers else None
+        started = attempt(world, 5.0) if world >= cfg.min_ranks else None
         if started:
             return started
     why = (
         f"the cluster can host {world} worker(s) of {bundle}, fewer than min_workers={cfg.min_workers}"
-        if world < cfg.min_workers
+        if world < cfg.min_ranks
         else f"re-forming {world} worker(s) kept failing (last: {last_error})"
     )
     raise NoCapacity(
