@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import contextlib
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -93,6 +94,11 @@ class Communicator:
         self.compression = compression
         #: Set from another thread to abandon the collective in flight (it raises ``CollectiveAborted``).
         self.abort = threading.Event()
+        #: Seconds spent waiting for a collective to complete (:meth:`waiting`), since the communicator was made.
+        self.collective_s = 0.0
+        #: When the wait for the collective in progress began (monotonic); 0.0 when none is (read by the health
+        #: thread: a rank waiting in a collective is not the one that keeps its peers waiting).
+        self.in_collective_since = 0.0
         self.MPI = library.require()  # the mpi4py.MPI module
         self._wire_op = None
         if compression:
@@ -176,6 +182,20 @@ class Communicator:
         """Start an in-place nonblocking SUM of a numpy buffer over all ranks; complete it with :meth:`wait`."""
         return self.mpi.Iallreduce(self.MPI.IN_PLACE, array, op=self.MPI.SUM)
 
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the time inside in :attr:`collective_s`, and mark this rank as inside a collective meanwhile."""
+        outer = self.in_collective_since == 0.0
+        start = time.monotonic()
+        if outer:
+            self.in_collective_since = start
+        try:
+            yield
+        finally:
+            if outer:
+                self.collective_s += time.monotonic() - start
+                self.in_collective_since = 0.0
+
     def wait(self, request: Any, buffer: Any) -> None:
         """Complete a nonblocking collective on ``buffer``, unless :attr:`abort` is set first (then raise).
 
@@ -184,30 +204,35 @@ class Communicator:
         buffer of an abandoned collective (inside any later MPI call: forming the next group, say),
         so that buffer is kept alive for the life of the process, never handed back to malloc.
         """
-        spins, since = 0, 0.0
         spin_s = SPIN_S if getattr(buffer, "nbytes", 0) >= INPLACE_MIN_BYTES else 0.0
         try:
-            while not request.Test():  # raises when MPI reports a lost peer (ERRORS_RETURN)
-                if self.abort.is_set():
-                    raise CollectiveAborted(f"rank {self.rank}: collective abandoned on request (a peer failed)")
-                spins += 1
-                if spins <= 1000:
-                    continue
-                # A large transfer is polled without sleeping for up to SPIN_S: shared-memory transfers
-                # advance only inside Test (sleeping 20 us between polls made a 23 MB allreduce 40% slower).
-                # Otherwise let the core go (other ranks may share it), and poll only every ms once a
-                # peer has kept us waiting for a second (it is probably gone: the abort will come).
-                since = since or time.monotonic()
-                waited = time.monotonic() - since
-                if waited > 1.0:
-                    time.sleep(1e-3)
-                elif waited > spin_s:
-                    time.sleep(20e-6)
-                elif self.oversubscribed:
-                    os.sched_yield()  # let a rank that shares this core compute (measured: 4 ranks on 2 cores)
+            with self.waiting():
+                self._poll(request, spin_s)
         except BaseException:
             keep_alive(request, buffer)
             raise
+
+    def _poll(self, request: Any, spin_s: float) -> None:
+        """:meth:`wait`'s loop: ``MPI_Test`` until done, spinning ``spin_s`` at most before it sleeps between tests."""
+        spins, since = 0, 0.0
+        while not request.Test():  # raises when MPI reports a lost peer (ERRORS_RETURN)
+            if self.abort.is_set():
+                raise CollectiveAborted(f"rank {self.rank}: collective abandoned on request (a peer failed)")
+            spins += 1
+            if spins <= 1000:
+                continue
+            # A large transfer is polled without sleeping for up to SPIN_S: shared-memory transfers
+            # advance only inside Test (sleeping 20 us between polls made a 23 MB allreduce 40% slower).
+            # Otherwise let the core go (other ranks may share it), and poll only every ms once a
+            # peer has kept us waiting for a second (it is probably gone: the abort will come).
+            since = since or time.monotonic()
+            waited = time.monotonic() - since
+            if waited > 1.0:
+                time.sleep(1e-3)
+            elif waited > spin_s:
+                time.sleep(20e-6)
+            elif self.oversubscribed:
+                os.sched_yield()  # let a rank that shares this core compute (measured: 4 ranks on 2 cores)
 
     # ---------------------------------------------------------------- sharded optimizer state (raympi.core.shard)
 

@@ -290,6 +290,10 @@ class ProcessGroupSum:
             raise CollectiveAborted(f"rank {self.comm.rank}: collective abandoned on request (a peer failed)")
 
     def _wait(self, w: _Work) -> None:
+        with self.comm.waiting():
+            self._wait_done(w)
+
+    def _wait_done(self, w: _Work) -> None:
         if w.done is not None:
             while not w.done.wait(POLL_S):
                 if self.comm.abort.is_set():

@@ -107,6 +107,7 @@ class Controller:
                 self._enter(
                     Phase.RECOVERING, announce=failure.kind not in (FailureKind.DRIVER_SIGTERM, FailureKind.EARLY_STOP)
                 )
+                failure = self._keep_report(failure)
                 decision = self._decide(failure)
                 if isinstance(decision, Finish):
                     return self._finish()
@@ -170,6 +171,20 @@ class Controller:
             else:
                 self.spare_target = 1 if self.capacity(self._bundle()) > world else 0
         return self.spare_target
+
+    def _keep_report(self, failure: Failure) -> Failure:
+        """A hang's report (each rank's place and stacks) goes to a file in the run's folder; the failure then
+        names that file, in its cause and its report."""
+        if not failure.report or failure.report.startswith(self.store.file("")):
+            return failure
+        path = self.store.file(f"hang-step-{self.run.step + 1}-{time.strftime('%Y%m%d-%H%M%S')}.txt")
+        try:
+            with self.store.fs.open(path, "w") as f:
+                f.write(failure.cause + "\n\n" + failure.report + "\n")
+        except OSError as exc:
+            log.warning("raympi: the hang report could not be written to %s: %s", path, exc)
+            return failure
+        return dataclasses.replace(failure, cause=f"{failure.cause}; every rank's stack: {path}", report=path)
 
     def _decide(self, failure: Failure) -> Decision:
         """RECOVERING: what the policy says about ``failure``."""

@@ -26,7 +26,7 @@ from raympi.driver import pool, tune
 from raympi.driver.spares import Joining, Spares, Standby, Starting, succeeded
 from raympi.exceptions import CapacityError, FormationError, RaympiError, TrainingError, where
 from raympi.worker import Worker, WorkerSpec
-from raympi.worker.results import Rejoined
+from raympi.worker.results import Rejoined, Where
 
 REFORM_MIN_S = 5.0  # the shortest deadline for re-forming a group (the first formation's x4 if longer)
 # a suspected rank that does not answer a ping within this while others do is hung
@@ -522,15 +522,64 @@ class WorkerGroup:
                             )
                         ) from None
         except Expired as expired:
-            stuck = self.silent(sorted(rank_of[r] for r in expired.pending))
+            waiting = sorted(rank_of[r] for r in expired.pending)
+            stuck = self.silent(waiting)
             message = (
                 f"{what}: rank(s) {stuck} made no progress within {deadline.setting} "
                 "(hung process, cut link, or too small a deadline)"
             )
             if startup:
                 raise CapacityError(message) from None
-            raise Failed(self._failure(FailureKind.HUNG, message, stuck)) from None
+            report = ""
+            if stuck == waiting:  # every one answers: ask where each is, and for its stacks, before any is killed
+                culprits, places, report = self._explain_hang(waiting)
+                if culprits:
+                    stuck = culprits
+                    message = (
+                        f"{what}: rank(s) {stuck} made no progress within {deadline.setting}, outside any collective "
+                        f"while their peers wait in one ({places})"
+                    )
+                elif places:
+                    message += f" ({places})"
+            failure = self._failure(FailureKind.HUNG, message, stuck)
+            raise Failed(dataclasses.replace(failure, report=report or None)) from None
         return ray.get(list(refs))
+
+    def _explain_hang(self, ranks: list[int], timeout_s: float = 2.0) -> tuple[list[int], str, str]:
+        """Where each rank is and every thread's stack, from the health threads: ``(culprits, places, report)``.
+
+        The culprits are the ``ranks`` outside a collective (in the user's code, or waiting for data) while
+        another rank waits in one: they keep their peers waiting.  None when no rank is in a collective (a
+        link cut, say) or every one is.  ``places``: one line of each rank's step, activity and time at it;
+        ``report``: that and each rank's stacks, for the run's folder.
+        """
+        calls = {r: (a.where.remote(), a.stacks.remote()) for r, a in enumerate(self.actors)}
+        flat = [ref for pair in calls.values() for ref in pair]
+        ray.wait(flat, num_returns=len(flat), timeout=timeout_s)
+        places: dict[int, Where] = {}
+        stacks: dict[int, str] = {}
+        for r, (where_ref, stacks_ref) in calls.items():
+            if ray.wait([where_ref], timeout=0)[0] and succeeded(where_ref):
+                places[r] = ray.get(where_ref)
+            if ray.wait([stacks_ref], timeout=0)[0] and succeeded(stacks_ref):
+                stacks[r] = ray.get(stacks_ref)
+        inside = [r for r, p in places.items() if p.activity == "collective"]
+        culprits = [r for r in ranks if r in places and places[r].activity != "collective"] if inside else []
+        line = "; ".join(
+            f"rank {r}: {p.activity} for {p.since_s:.1f} s at step {p.step + 1}" for r, p in sorted(places.items())
+        )
+        report = "\n\n".join(
+            f"rank {r} ({where(r, self.world, self.hosts[r] if r < len(self.hosts) else None)}): "
+            + (
+                f"{places[r].activity} for {places[r].since_s:.1f} s at step {places[r].step + 1}"
+                if r in places
+                else "no answer"
+            )
+            + "\n"
+            + stacks.get(r, "(no stacks: the rank did not answer)")
+            for r in range(len(self.actors))
+        )
+        return culprits, line, report
 
     def label_silent(self, wait: bool = False) -> list[tuple[int, bool]]:
         """``(rank, died)`` of the ranks replaced while silent whose label is now known: ``died`` when Ray

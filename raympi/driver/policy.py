@@ -104,6 +104,7 @@ class Failure:
     warm_skipped: str | None = None
     resume: tuple[int, Any, Any] | None = None
     world_before: int | None = None
+    report: str | None = None  # each rank's place and stacks, for the run's folder (a hang)
 
     @property
     def followup(self) -> bool:

@@ -75,6 +75,7 @@ def record_of(failure: Failure, run: RunState, world: int) -> RestartRecord:
         phase=failure.phase.value,
         world_before=world,
         warm_skipped=failure.warm_skipped,
+        report=failure.report,
     )
 
 

@@ -140,6 +140,7 @@ class RestartRecord:
         source: ``"survivors"`` when a cold restart started from the survivors' state, not a checkpoint.
         reformed: how a warm path made its communicator: ``"derived"`` from the standby communicator
             (no new connection) or ``"connected"`` anew.
+        report: a hang's report in the run's folder: where each rank was, and its Python stacks.
     """
 
     time: float
@@ -162,6 +163,7 @@ class RestartRecord:
     warm_skipped: str | None = None
     source: str | None = None
     reformed: str | None = None
+    report: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values (lists, no ``None`` fields) for JSON, callbacks and ``Result.restarts``."""

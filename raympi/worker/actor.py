@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import faulthandler
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -45,7 +47,7 @@ from raympi.core.batch import correct_predictions
 from raympi.core.step import make_eval_step, make_train_step
 from raympi.exceptions import CollectiveAborted
 from raympi.worker.checkpoint_io import DirectWriter, Snapshot, StoredState
-from raympi.worker.results import ChunkResult, Evaluated, Rejoined
+from raympi.worker.results import ChunkResult, Evaluated, Rejoined, StepTimes, Where
 from raympi.worker.sources import ArraySource, DatasetSource, StreamSource, arrays_from_refs
 
 __all__ = ["Worker", "WorkerSpec", "accuracy", "to_tensors"]
@@ -130,6 +132,8 @@ class Worker(comm.Member):
         self.shard_buddy = spec.shard_buddy
         self.grad_sync: Any = None  # the step's cross-rank sum, rebuilt for every new communicator
         self.progress = 0  # steps and evaluation batches done: what ping reports, so slow is told from hung
+        self.activity = ("idle", time.monotonic())  # what the main thread is doing, since when (where())
+        self.at_step = 0  # the step of the state held, counted as steps complete (where())
         # Before MPI starts: a Dataset's loader forks its reading processes here.
         self.source: Any = _source(spec.train, spec.train_kind, spec) if spec.train_kind != "stream" else None
         self.eval_source: Any = (
@@ -288,6 +292,7 @@ class Worker(comm.Member):
         # what came through Ray may be read-only object-store memory.
         self.state = pytree.map(lambda t: t.to(self.device).clone() if isinstance(t, torch.Tensor) else t, state)
         self.logs_hyperparams = bool(optim.current_hyperparams(self.state.opt_state))  # inject_hyperparams: log them
+        self.at_step = int(self.state.step)
 
     def _to_device(self, batch: Any) -> Any:
         if self.device.type == "cpu":
@@ -306,9 +311,13 @@ class Worker(comm.Member):
         history: list[dict[str, Any]] = []
         MPI = library.require()
         aborted = False
+        began, waited, data_s = time.monotonic(), self.comm.collective_s, 0.0
         self.source.feed(steps)
         for _ in steps:
+            self._doing("data")
             batch = self._to_device(self.source.next())
+            data_s += time.monotonic() - self.activity[1]
+            self._doing("compute")
             try:
                 self.state, metrics = self.train_step(self.state, batch, global_batch_size)
             except (CollectiveAborted, MPI.Exception):
@@ -316,10 +325,18 @@ class Worker(comm.Member):
                 self.source.drop()
                 break
             self.progress += 1
+            self.at_step += 1
             if self.logs_hyperparams:
                 metrics.update(optim.current_hyperparams(self.state.opt_state))
             history.append(metrics)
-        return ChunkResult(history, int(self.state.step), aborted=aborted, sigterm=self.sigterm)
+        self._doing("idle")
+        collective_s = self.comm.collective_s - waited
+        times = StepTimes(data_s, max(0.0, time.monotonic() - began - data_s - collective_s), collective_s)
+        self.at_step = int(self.state.step)
+        return ChunkResult(history, self.at_step, aborted=aborted, sigterm=self.sigterm, times=times)
+
+    def _doing(self, activity: str) -> None:
+        self.activity = (activity, time.monotonic())
 
     def evaluate(self, index: torch.Tensor, with_ema: bool = False) -> Evaluated:
         """Evaluate this rank's share of the eval set (with the EMA parameters when asked and kept);
@@ -366,6 +383,22 @@ class Worker(comm.Member):
         Returns the steps and evaluation batches done so far: a rank that answers but whose count stays
         put is stuck (in a collective, say); one whose count moves is only slow."""
         return self.progress
+
+    @ray.method(concurrency_group="health")
+    def where(self) -> Where:
+        """Where this rank is now: waiting for data, computing, or waiting in a collective, since when."""
+        activity, since = self.activity
+        if self.comm is not None and self.comm.in_collective_since:
+            activity, since = "collective", self.comm.in_collective_since
+        return Where(self.at_step, activity, time.monotonic() - since)
+
+    @ray.method(concurrency_group="health")
+    def stacks(self) -> str:
+        """Every thread's Python stack now (``faulthandler``), answered even while the step is stuck."""
+        with tempfile.TemporaryFile("w+") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            return f.read()
 
     @ray.method(concurrency_group="health")
     def snapshot(self) -> dict[str, Any]:

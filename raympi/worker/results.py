@@ -5,7 +5,43 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["ChunkResult", "Evaluated", "Rejoined"]
+__all__ = ["ChunkResult", "Evaluated", "Rejoined", "StepTimes", "Where"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """Where one rank's time went over a chunk of steps, in seconds.
+
+    Attributes:
+        data_s: waiting for the next batch (reading, augmenting, copying it to the device).
+        compute_s: the step itself, less its waits for collectives.
+        collective_s: waiting for collectives to complete (for the peers, and the transfer).
+    """
+
+    data_s: float = 0.0
+    compute_s: float = 0.0
+    collective_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        """The chunk's time on this rank."""
+        return self.data_s + self.compute_s + self.collective_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where a rank is now (:meth:`raympi.worker.Worker.where`, answered from its health thread).
+
+    Attributes:
+        step: the step of the state it holds.
+        activity: ``"data"`` (waiting for a batch), ``"compute"`` (in the step, outside collectives),
+            ``"collective"`` (waiting in one for its peers), or ``"idle"`` (between calls).
+        since_s: how long it has been at it.
+    """
+
+    step: int
+    activity: str
+    since_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,12 +53,14 @@ class ChunkResult:
         step: the step of the state held now.
         aborted: a collective was abandoned (a peer failed): the chunk ended early, at the last whole step.
         sigterm: the rank's process was sent SIGTERM (its node is being preempted).
+        times: where the rank's time went over the chunk.
     """
 
     metrics: list[dict[str, Any]]
     step: int
     aborted: bool = False
     sigterm: bool = False
+    times: StepTimes = StepTimes()
 
 
 @dataclasses.dataclass(frozen=True)
