@@ -12,6 +12,10 @@ intact, and the driver warns (the folder, on a full disk the free and needed spa
 restart would use) and trains on.  ``wait(strict=True)`` still raises what means the state itself is
 lost: rank 0 did not hand it over, or it cannot be serialized.
 
+Each write prunes: the newest ``keep`` stay, or with a ``metric`` (``checkpoint_metric``) the ``keep`` best by
+its value in the manifest's metrics and the newest (:func:`~raympi.driver.checkpoint_folders.kept`); :meth:`best`
+names the best.  A resume continues from the newest either way (:meth:`CheckpointStore.latest`).
+
 A state of at least ``direct_bytes`` never comes to the driver: rank 0 writes ``state.pt`` into a
 temporary folder itself and the driver commits it (:mod:`raympi.driver.checkpoint_direct`); the
 driver then keeps a :class:`~raympi.worker.checkpoint_io.StoredState` instead of the state.
@@ -29,7 +33,7 @@ import posixpath
 import queue
 import threading
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import ray
 import torch
@@ -37,7 +41,7 @@ import torch
 from raympi.core import pytree
 from raympi.core.state import TrainState
 from raympi.driver.checkpoint_direct import DirectRequest, await_write, not_shared
-from raympi.driver.checkpoint_folders import IN_FLIGHT, AtomicFolders, remove_folder
+from raympi.driver.checkpoint_folders import IN_FLIGHT, AtomicFolders, ranked, remove_folder
 from raympi.exceptions import ConfigError, WorkerLostError
 from raympi.worker.checkpoint_io import (
     StoredState,
@@ -56,25 +60,36 @@ CORRUPT_WARNING = "raympi checkpoint unusable"
 
 
 class CheckpointStore(AtomicFolders):
-    """The checkpoints of one run under ``root``, of which the newest ``keep`` are kept.
+    """The checkpoints of one run under ``root``, of which ``keep`` are kept: the newest, or with ``metric`` the
+    best by it and the newest.
 
     ``direct_bytes``: rank 0 writes a state of at least this many bytes itself (``None``: never).
+    ``metric``: a key of the manifests' ``metrics`` (the step record: ``"eval_loss"``, ``"loss"``, ...) by which
+    the best are kept, lower being better with ``mode="min"``, higher with ``"max"``.
 
     Raises:
         ConfigError: ``root`` cannot be created or written (checked at once, before any worker starts).
     """
 
     def __init__(
-        self, root: str, keep: int = 3, fetch_timeout_s: float = 60.0, direct_bytes: int | None = None
+        self,
+        root: str,
+        keep: int = 3,
+        fetch_timeout_s: float = 60.0,
+        direct_bytes: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] = "min",
     ) -> None:
         self.root = root.removeprefix("file://")
         self.keep = keep
+        self.metric, self.mode = metric, mode
+        self._scores = {}
         self.fetch_timeout_s = fetch_timeout_s  # rank 0 handing over its state (a stopped rank must not hang us)
         self.direct_bytes = direct_bytes
         self.received_bytes = 0  # state bytes the driver fetched from rank 0 (none for direct writes)
         self.fs, self._path = fs_of(root)
         self._requested: dict[str, Any] = {}  # asked of the ranks (a DirectRequest, or a list), not yet saved
-        self._seq, self._warned = 0, False
+        self._seq, self._warned, self._warned_metric = 0, False, False
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="raympi-checkpoint", initializer=_background_priority
         )
@@ -321,6 +336,31 @@ class CheckpointStore(AtomicFolders):
         torch.save(state, buffer)
         blob = buffer.getbuffer()  # no copy
         return self._commit({**manifest, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}, blob)
+
+    def best(self) -> str | None:
+        """The folder of the kept checkpoint with the best value of ``metric`` (of equal ones the newer).
+
+        ``None`` without a ``metric``, or where no checkpoint has a value for it; the latter is warned of
+        (once), with the metrics the newest checkpoint does have, as a misspelt name would be.
+        """
+        if self.metric is None:
+            return None
+        names = self._names()
+        scores = self._scores_of(names)
+        first = next(iter(ranked(names, scores, self.mode)), None)
+        if first is not None and scores[first] is not None:
+            return self._url(first)
+        if names and not self._warned_metric:
+            self._warned_metric = True
+            metrics = self._manifest(names[-1]).get("metrics")
+            has = sorted(set(metrics) - {"step", "epoch", "time"}) if isinstance(metrics, dict) else []
+            warnings.warn(
+                f"checkpoint_metric={self.metric!r}: no checkpoint has a value for it (the newest's metrics: "
+                f"{', '.join(has) or 'none'}), so the newest keep_checkpoints={self.keep} were kept; check its "
+                "name, and that an evaluation (eval_dataset, eval_every) falls on a checkpoint's step",
+                stacklevel=2,
+            )
+        return None
 
     def latest(self, stored_from: int | None = None) -> tuple[str, dict[str, Any], Any] | None:
         """``(path, manifest, state)`` of the newest valid checkpoint; broken ones are reported and skipped.
