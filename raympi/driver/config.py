@@ -112,7 +112,21 @@ class FitConfig(BaseModel):
     placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"] = "SPREAD"
     checkpoint_dir: Optional[str] = Field(None, description="local path or fsspec URI; default ./runs/raympi-<time>")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end)")
-    keep_checkpoints: int = Field(3, ge=1)
+    keep_checkpoints: int = Field(
+        3, ge=1, description="checkpoints kept: the newest, or with checkpoint_metric the best by it and the newest"
+    )
+    checkpoint_metric: Optional[str] = Field(
+        None,
+        min_length=1,
+        description="a key of the step records ('eval_loss', 'eval_accuracy', 'loss', ...): keep_checkpoints keeps "
+        "the best by it, and the newest (resume continues from the newest); a checkpoint whose record has no value "
+        "for it (a step without evaluation; NaN) ranks below every one that has",
+    )
+    checkpoint_mode: Optional[Literal["min", "max"]] = Field(
+        None,
+        description="with checkpoint_metric: 'min' (lower is better, a loss; the default) or 'max' (higher is "
+        "better, an accuracy)",
+    )
     direct_checkpoint_bytes: Optional[int] = Field(
         2**30,
         ge=0,
@@ -146,6 +160,14 @@ class FitConfig(BaseModel):
     restart_timeout_s: float = Field(
         60.0, gt=0, description="how long a restart waits for capacity of at least min_workers"
     )
+    straggler_factor: Optional[float] = Field(
+        3.0,
+        gt=1,
+        description="a rank whose own compute per step is this many times its peers' median, straggler_chunks chunks "
+        "in a row, is swapped for a hot spare on another node (warm, no step lost, not counted in max_restarts); "
+        "None turns it off",
+    )
+    straggler_chunks: int = Field(4, ge=1, description="chunks in a row a rank must be slow to be a straggler")
     startup_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -270,6 +292,11 @@ class FitConfig(BaseModel):
                 f"grad_transport='nccl' needs a whole GPU per worker (NCCL refuses two ranks on one device), "
                 f"but resources_per_worker gives each {self.resources_per_worker['GPU']:g}: "
                 "use grad_transport='mpi' or 'gloo' for workers that share a GPU"
+            )
+        if self.checkpoint_mode is not None and self.checkpoint_metric is None:
+            raise ValueError(
+                f"checkpoint_mode={self.checkpoint_mode!r} orders the checkpoints by checkpoint_metric, which is not "
+                "set: name the metric (checkpoint_metric='eval_loss') or leave checkpoint_mode out"
             )
         if self.batch_size < self.workers:
             raise ValueError(

@@ -49,7 +49,10 @@ class Result:
         model: the user's module with the trained weights loaded.
         metrics: one record per step (step, epoch, loss, accuracy, samples_per_s,
             world_size, time) plus eval metrics where they were taken.
-        checkpoint: the folder of the last checkpoint written.
+        checkpoint: the folder of the last checkpoint written (the newest, which ``resume=True`` continues from).
+        best_checkpoint: with ``checkpoint_metric``, the folder of the kept checkpoint with its best value (of
+            equal ones the newer; load it with :func:`raympi.load_checkpoint`); ``None`` without the option, or
+            where no checkpoint had a value for the metric (then a warning says so).
         ema: the parameter average kept by :func:`raympi.optim.ema` (load it with
             ``model.load_state_dict(result.ema, strict=False)``), or ``None``.
         restarts: one record per recovery or planned re-formation (empty when none happened): time,
@@ -63,6 +66,7 @@ class Result:
     checkpoint: str | None
     restarts: list[dict[str, Any]]
     ema: dict[str, torch.Tensor] | None = None
+    best_checkpoint: str | None = None
 
 
 def fit(
@@ -96,6 +100,8 @@ def fit(
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 0,
     keep_checkpoints: int = 3,
+    checkpoint_metric: str | None = None,
+    checkpoint_mode: Literal["min", "max"] | None = None,
     direct_checkpoint_bytes: int | None = 2**30,
     resume: bool = False,
     # cluster and placement
@@ -111,6 +117,8 @@ def fit(
     startup_timeout_s: float = 120.0,
     step_timeout_s: float = 10.0,
     restart_timeout_s: float = 60.0,
+    straggler_factor: float | None = 3.0,
+    straggler_chunks: int = 4,
     # communication
     grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = "auto",
     bucket_bytes: int = 16 * 2**20,
@@ -136,12 +144,13 @@ def fit(
       ``on_nonfinite``, ``shard_optimizer``, ``shard_buddy``;
     - data: ``columns``, ``loader_workers``, ``torch_threads``;
     - evaluation: ``eval_dataset``, ``eval_every``, ``eval_with_ema``;
-    - checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints``, ``direct_checkpoint_bytes``,
-      ``resume``;
+    - checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints`` (the newest, or with
+      ``checkpoint_metric`` the best by it, lower or higher as ``checkpoint_mode`` says, and the newest),
+      ``direct_checkpoint_bytes``, ``resume``;
     - cluster and placement: ``address``, ``use_gpu``, ``resources_per_worker`` (default ``{"CPU": 1}``),
       ``placement_strategy``, ``keep_workers`` (default: the environment variable ``RAYMPI_KEEP_WORKERS=1``);
     - fault tolerance: ``min_workers``, ``max_restarts``, ``spares``, ``startup_timeout_s``, ``step_timeout_s``,
-      ``restart_timeout_s``;
+      ``restart_timeout_s``, ``straggler_factor``, ``straggler_chunks``;
     - communication: ``grad_transport``, ``bucket_bytes``, ``overlap``, ``compression``, ``fp32_reduce``, ``mpi``
       (default ``MPIConfig()``);
     - reporting: ``progress``, ``callbacks``.
@@ -213,7 +222,12 @@ def _fit(model: torch.nn.Module, dataset: Any, cfg: FitConfig) -> Result:
         if tune.restore_into(root):  # Tune hands the trial a checkpoint: continue from it
             cfg = cfg.model_copy(update={"resume": True})
     store = CheckpointStore(
-        root, cfg.keep_checkpoints, fetch_timeout_s=cfg.startup_timeout_s, direct_bytes=cfg.direct_checkpoint_bytes
+        root,
+        cfg.keep_checkpoints,
+        fetch_timeout_s=cfg.startup_timeout_s,
+        direct_bytes=cfg.direct_checkpoint_bytes,
+        metric=cfg.checkpoint_metric,
+        mode=cfg.checkpoint_mode or "min",
     )
     if not ray.is_initialized():
         announce("starting Ray" if not (cfg.address or os.environ.get("RAY_ADDRESS")) else "connecting to Ray")
@@ -293,6 +307,7 @@ def _fit(model: torch.nn.Module, dataset: Any, cfg: FitConfig) -> Result:
             checkpoint=newest.path,
             restarts=[r.as_dict() for r in final.restarts],
             ema=optim.ema_params(state.opt_state),
+            best_checkpoint=store.best(),
         )
     finally:
         store.close()
