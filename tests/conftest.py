@@ -16,6 +16,7 @@ import sys
 
 import procs  # noqa: F401  (tags every Ray process of this run: tests/procs.py)
 import pytest
+import time_limits
 
 TIERS = {
     "unit": {
@@ -37,6 +38,7 @@ TIERS = {
         "test_shard",
         "test_state",
         "test_step",
+        "test_time_limits",
     },
     "system": {
         "test_benchmarks",
@@ -118,6 +120,20 @@ def _unit_tests_start_no_ray(request):
     if request.node.get_closest_marker("unit") and "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()
         pytest.fail("a unit test left Ray running: move its module to another tier (tests/conftest.py TIERS)")
+
+
+# Time limits: each test's (its @pytest.mark.timeout, else `timeout` in pyproject.toml) is what it needs on 2 quiet
+# cores, and pytest-timeout gets it stretched by the machine's load, the load over the cores, between x1 and x4:
+# taken when the test starts and again whenever the limit runs out (tests/time_limits.py).  A run beside other jobs
+# gets time in proportion to its share of the cores (a chaos run of ~100 s alone was stopped at 300 s beside another
+# job); a hang, which never ends, still fails, within 4 x its declared limit.
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    return time_limits.set_timer(item, settings)
+
+
+def pytest_report_header(config):
+    return f"time limits: the declared ones {time_limits.describe()} now (tests/time_limits.py)"
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
