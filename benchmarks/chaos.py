@@ -198,7 +198,10 @@ def run(
     from ray.cluster_utils import Cluster
 
     out = out or Path("benchmarks/out/chaos")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    # No dashboard, no fixed port (a head's default: 8265 for the dashboard, 52365 for its agent): another Ray on
+    # the machine may hold them (the other test process's, in tests/test_chaos.py).
+    head = {"num_cpus": 0, "include_dashboard": False, "dashboard_port": None, "dashboard_agent_listen_port": 0}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(workers + 1):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

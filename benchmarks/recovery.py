@@ -359,7 +359,9 @@ def raympi_removed_node(n: int, steps: int, path: str) -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="raympi-bench-")
     cluster, injector = None, None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        # No dashboard, no fixed port (a head's default: 8265 for the dashboard, 52365 for its agent).
+        head = {"num_cpus": 0, "include_dashboard": False, "dashboard_port": None, "dashboard_agent_listen_port": 0}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
         for _ in range(WORKERS + 1):
             cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()

@@ -33,6 +33,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 RAY = str(pathlib.Path(sys.executable).with_name("ray"))
 SUBNET = "10.213.0"
+# Ray's default ports (6379 here, and those `ray start` takes unasked: 8265, 10001, 52365, ...) are fine in these hosts:
+# each is a network namespace with its own ports, so two clusters (the other test process's, another tag's) or a Ray
+# on the machine itself never meet on one.  The subnets differ too (test_multihost 10.213.0, test_ray_up 10.213.1,
+# benchmarks/multihost.py 10.213.2): the bridges' addresses and routes live in the machine's own namespace.
 RAY_PORT = 6379
 
 

@@ -159,10 +159,17 @@ def _ray_workers(sid: int) -> list[psutil.Process]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (each held until all are found): a fixed one may be another Ray's, the other
+    test process's or a user's."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def _kill_driver_at(
@@ -260,7 +267,7 @@ def test_on_an_external_cluster_ray_kills_the_dead_drivers_actors(tmp_path, reap
     """``address=`` a running cluster: Ray kills the actors whose owner (the driver) died; the cluster stays."""
     temp = tempfile.mkdtemp(prefix="rdl", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # as README's clusters: token auth on
-    port = _free_port()
+    port, client_port, dashboard_port = _free_ports(3)
     head = subprocess.Popen(
         [
             os.path.join(os.path.dirname(sys.executable), "ray"),
@@ -271,6 +278,19 @@ def test_on_an_external_cluster_ray_kills_the_dead_drivers_actors(tmp_path, reap
             "2",
             "--port",
             str(port),
+            # No fixed port (`ray start --head` has its client server on 10001, its agent on 52365, its workers on
+            # 10002-19999, and checks 8265 is free even with no dashboard): ports the kernel picks, or free ones
+            # where Ray takes no 0.
+            "--ray-client-server-port",
+            str(client_port),
+            "--dashboard-port",
+            str(dashboard_port),
+            "--dashboard-agent-listen-port",
+            "0",
+            "--min-worker-port",
+            "0",
+            "--max-worker-port",
+            "0",
             "--include-dashboard",
             "false",
             "--temp-dir",

@@ -49,7 +49,10 @@ def cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    # No dashboard, no fixed port: a Cluster's head takes Ray's 8265 (dashboard) and 52365 (its agent), as the
+    # other half of this module may at the same time in the other test process; its worker nodes pick theirs.
+    head = {"num_cpus": 0, "include_dashboard": False, "dashboard_port": None, "dashboard_agent_listen_port": 0}
+    c = Cluster(initialize_head=True, head_node_args=head)
     c.workers = [c.add_node(num_cpus=1) for _ in range(3)]
     c.wait_for_nodes()
     ray.init(address=c.address, logging_level="ERROR")
