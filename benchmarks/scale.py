@@ -25,6 +25,7 @@ import socket
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,6 @@ from raympi.driver.config import MPIConfig, parse_config
 from raympi.driver.data import Sampler
 from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import ChunkPlan, Pipeline
-from raympi.worker import WorkerSpec
 from raympi.worker.results import ChunkResult
 
 from _common import OMP1, slowest_median, start_local_ray, time_reps
@@ -89,7 +89,8 @@ class EchoGroup(WorkerGroup):
     """``WorkerGroup``'s own ``gather`` and checks over :class:`Echo` actors (no placement group, no MPI)."""
 
     def __init__(self, cfg: Any, actors: list[Any]) -> None:  # noqa: D107
-        super().__init__(cfg, len(actors), WorkerSpec(None, None, None), None)  # never started: the actors are there
+        cpu = types.SimpleNamespace(device="cpu", torch_threads=1)  # what a group reads of a WorkerSpec (no torch here)
+        super().__init__(cfg, len(actors), cpu, None)  # never started: the actors are there
         self.actors, self.hosts = actors, [socket.gethostname()] * len(actors)
         self.cpu_s = 0.0  # driver CPU spent in gather
         self.fresh = False  # its processes have run steps before (the warm-up run)

@@ -42,7 +42,7 @@ class FakeGroup:
     def abort(self, ranks: Any) -> None:
         self.aborted = list(ranks)
 
-    def replace(self, failed: list[int]) -> None:
+    def replace(self, failed: list[int], avoid: frozenset[str] = frozenset()) -> None:
         self.replaced = [*getattr(self, "replaced", []), *failed]
 
     def outcomes(self, calls: dict[int, Any], timeout_s: float) -> dict[int, Any] | None:

@@ -6,6 +6,8 @@ killed with SIGKILL or stopped with SIGSTOP, an exception in the user's model.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import pathlib
@@ -120,14 +122,23 @@ def _data():
     return x, (x[:, 0] + x[:, 1] > 0).long()
 
 
-def _net(pace_s: float = 0.01, while_exists: str | None = None) -> nn.Module:
+def _net(
+    pace_s: float = 0.01, while_exists: str | None = None, hang_on: str | None = None, busy: bool = False
+) -> nn.Module:
     class Slow(nn.Sequential):  # defined here so it is pickled by value: the workers cannot import tests/
         """A small MLP that takes at least ``pace_s`` a step (while the file ``while_exists`` is there, when one
-        is named), so failures land mid-run on any machine."""
+        is named), so failures land mid-run on any machine; the process whose pid the file ``hang_on`` holds
+        hangs in its forward (a user's bug).  ``busy``: the pace is CPU time spent, not a sleep."""
 
         def forward(self, x):
-            if while_exists is None or os.path.exists(while_exists):
+            if busy:  # pace_s of this thread's CPU time: a process stopped part of the time takes longer
+                start = time.thread_time()
+                while time.thread_time() - start < pace_s:
+                    pass
+            elif while_exists is None or os.path.exists(while_exists):
                 time.sleep(pace_s)
+            if hang_on is not None and os.path.exists(hang_on) and open(hang_on).read() == str(os.getpid()):
+                time.sleep(3600)
             return super().forward(x)
 
     torch.manual_seed(0)
@@ -533,6 +544,112 @@ def test_hot_spares_take_killed_workers_places_twice_in_a_row(cluster, uninterru
         assert record["reformed"] == "derived", record  # from the standby communicator: no new connection
         assert record["steps_lost"] == 0 and {"detect_s", "reform_s", "first_step_s", "recovery_s"} <= set(record)
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+def test_a_stopped_worker_is_replaced_by_a_spare_first_and_labelled_hung_after(cluster, uninterrupted, tmp_path):
+    """Act first, label after: a SIGSTOPped rank is replaced by the hot spare as soon as its pings go unanswered,
+    without waiting for Ray's word on whether its process died; that word (none: the process lives, stopped) labels
+    the restart afterwards.  The stopped process is killed once labelled: none is left behind."""
+    folder = tmp_path / "ck"
+    stopped: list[int] = []
+
+    def stop_one() -> None:
+        stopped.append(procs.training_ranks()[1].pid)
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    handler = _when_logged("is standby rank", stop_one)
+    try:
+        result = raympi.fit(_net(0.1), _data(), workers=2, checkpoint_dir=str(folder), **OPTIONS)
+    finally:
+        logging.getLogger("raympi").removeHandler(handler)
+    assert handler.fired
+    (record,) = result.restarts
+    assert record["kind"] == "hung" and "its process was alive but silent" in record["cause"], record
+    assert record["path"] == "warm" and record["spare"] is True and record["steps_lost"] == 0, record
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(stopped[0]) and time.monotonic() < deadline:
+        if psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.1)
+    assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+def test_a_rank_stuck_in_forward_is_named_with_its_stack_and_replaced_warm(cluster, uninterrupted, tmp_path):
+    """A rank stuck in a ``time.sleep`` inside ``forward`` still answers pings (its health thread does), so the
+    step deadline finds it; then it is the one outside any collective while its peer waits in one: only it is
+    replaced (by the hot spare, warm, no step lost), and the run's folder holds every rank's stack, its own
+    showing the frame it is stuck in."""
+    folder, flag = tmp_path / "ck", tmp_path / "hang-on"
+
+    def hang_one() -> None:
+        flag.write_text(str(procs.training_ranks()[1].pid))
+
+    handler = _when_logged("is standby rank", hang_one)
+    try:
+        result = raympi.fit(
+            _net(0.05, hang_on=str(flag)),
+            _data(),
+            workers=2,
+            checkpoint_dir=str(folder),
+            **{**OPTIONS, "step_timeout_s": 4.0},
+        )
+    finally:
+        logging.getLogger("raympi").removeHandler(handler)
+    assert handler.fired
+    (record,) = result.restarts
+    assert record["kind"] == "hung" and record["ranks"] == [1], record
+    assert "outside any collective while their peers wait in one" in record["cause"], record["cause"]
+    assert "rank 1: compute" in record["cause"] and "rank 0: collective" in record["cause"], record["cause"]
+    assert record["path"] == "warm" and record["spare"] is True and record["steps_lost"] == 0, record
+    report = pathlib.Path(record["report"]).read_text()
+    own = report[report.index("rank 1 (") :]
+    assert "in forward" in own and "test_elastic.py" in own, report
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+def test_a_rank_slowed_down_for_real_is_evicted_for_a_spare_with_no_step_lost(cluster, uninterrupted, tmp_path):
+    """One rank is stopped two thirds of the time (SIGSTOP/SIGCONT, 100 ms / 50 ms: its compute takes 3x as long,
+    as on a throttled node): its compute per step, against its peer's, marks it a straggler for two chunks in a row,
+    and the hot spare on another node takes its place through the warm path: no step lost, no failure counted,
+    the parameters those of the uninterrupted run.  Every chunk's times per rank are in ranks.jsonl."""
+    folder, done = tmp_path / "ck", threading.Event()
+    slowed: list[int] = []
+
+    def duty_cycle() -> None:
+        slowed.append(procs.training_ranks()[1].pid)
+        while not done.is_set():
+            try:
+                os.kill(slowed[0], signal.SIGSTOP)
+                time.sleep(0.1)
+                os.kill(slowed[0], signal.SIGCONT)
+                time.sleep(0.05)
+            except ProcessLookupError:  # evicted: its process is gone
+                return
+
+    handler = _when_logged("is standby rank", duty_cycle)
+    try:
+        result = raympi.fit(
+            _net(0.02, busy=True),
+            _data(),
+            workers=2,
+            checkpoint_dir=str(folder),
+            **{**OPTIONS, "straggler_chunks": 2, "max_restarts": 0},
+        )
+    finally:
+        done.set()
+        logging.getLogger("raympi").removeHandler(handler)
+        with contextlib.suppress(ProcessLookupError, IndexError):
+            os.kill(slowed[0], signal.SIGCONT)
+    assert handler.fired
+    (record,) = result.restarts
+    assert record["kind"] == "straggler" and record["ranks"] == [1], record
+    assert "computed" in record["cause"] and "slower than the median rank" in record["cause"], record["cause"]
+    assert record["path"] == "warm" and record["spare"] is True and record["steps_lost"] == 0, record
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+    lines = [json.loads(line) for line in (folder / "ranks.jsonl").read_text().splitlines()]
+    assert sum(line["steps"] for line in lines) >= result.metrics[-1]["step"]
+    assert all(len(line["compute_s"]) == line["world"] == 2 for line in lines)
 
 
 def test_a_worker_killed_while_a_spare_joins_is_recovered(cluster, uninterrupted, tmp_path):

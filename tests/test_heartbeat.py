@@ -1,5 +1,10 @@
-"""The heartbeat (raympi.driver.heartbeat): who is silent, who is only slow, and how the limit follows the machine."""
+"""The heartbeat (raympi.driver.heartbeat): who is silent, who is only slow, and how the limit follows the machine;
+and the stragglers (raympi.driver.stragglers): who is slow in its own work."""
 
+import pytest
+
+from raympi.driver.stragglers import StragglerRule, StragglerWatch, slow_ranks
+from raympi.worker.results import StepTimes
 from raympi.driver.heartbeat import (
     BEAT_S,
     SILENT_S,
@@ -175,3 +180,39 @@ def test_progress_is_when_every_rank_last_moved_on():
     assert watch.last_progress([0]) >= later
     assert watch.last_progress([0, 1]) < later  # the stuck rank holds it back, however long it answers
     assert watch.silent() == []  # it answers: stuck is for step_timeout_s to judge, not the heartbeat
+
+
+# -- stragglers (raympi.driver.stragglers): a rank slow in its own compute, chunk after chunk ------------------
+
+
+def _times(compute_ms: list[float], data_ms: list[float] | None = None, steps: int = 10) -> list[StepTimes]:
+    data_ms = data_ms or [1.0] * len(compute_ms)
+    return [StepTimes(d * steps / 1e3, c * steps / 1e3, 5e-3 * steps) for c, d in zip(compute_ms, data_ms)]
+
+
+RULE = StragglerRule(factor=3.0, chunks=3, min_step_s=0.01)
+
+
+@pytest.mark.parametrize(
+    "compute_ms, data_ms, slow, data_slow",
+    [
+        ([20, 21, 19, 70], None, [3], []),  # one rank 3.5x its peers' median: slow
+        ([20, 60], None, [1], []),  # two ranks: each is judged against the other, not against a median with itself
+        ([60, 63, 58, 61], None, [], []),  # the whole machine slow: every rank alike, none singled out
+        ([20, 20, 65, 70], None, [2, 3], []),  # a slow node with half the ranks: each against its peers' median
+        ([20, 20, 65, 70, 66, 68], None, [], []),  # ... with more than half: that median is theirs, none is
+        ([2, 2, 2, 7], None, [], []),  # 3.5x, but 5 ms a step: noise on tiny steps, not a straggler
+        ([20, 21, 19, 20], [1, 1, 1, 40], [], [3]),  # slow in its data, not its compute: reported, not evicted
+    ],
+    ids=["one-slow", "two-ranks", "machine-slow", "slow-node", "slow-majority", "tiny-steps", "slow-data"],
+)
+def test_a_slow_rank_is_judged_against_its_peers_compute(compute_ms, data_ms, slow, data_slow):
+    assert slow_ranks(_times(compute_ms, data_ms), 10, RULE) == (slow, data_slow)
+
+
+def test_a_straggler_is_slow_for_chunks_in_a_row_and_a_new_group_starts_afresh():
+    watch = StragglerWatch(RULE)
+    slow, steady = _times([20, 20, 70]), _times([20, 20, 21])
+    assert [watch.observe(t, 10)[0] for t in (slow, slow, steady, slow, slow)] == [[], [], [], [], []]
+    assert watch.observe(slow, 10)[0] == [2]  # the third slow chunk in a row
+    assert watch.observe(_times([20, 70]), 10)[0] == []  # a group of another size: ranks numbered anew

@@ -1,5 +1,6 @@
 """The code passes ``ruff check`` with the project's rules, ``ruff format --check``, and ``mypy`` (strict on
-the whole package: core, comm, driver and worker), all configured in pyproject.toml, as CI runs them through these tests."""
+the whole package: core, comm, driver and worker), all configured in pyproject.toml, as CI runs them through
+these tests."""
 
 from __future__ import annotations
 

@@ -160,6 +160,14 @@ class FitConfig(BaseModel):
     restart_timeout_s: float = Field(
         60.0, gt=0, description="how long a restart waits for capacity of at least min_workers"
     )
+    straggler_factor: Optional[float] = Field(
+        3.0,
+        gt=1,
+        description="a rank whose own compute per step is this many times its peers' median, straggler_chunks chunks "
+        "in a row, is swapped for a hot spare on another node (warm, no step lost, not counted in max_restarts); "
+        "None turns it off",
+    )
+    straggler_chunks: int = Field(4, ge=1, description="chunks in a row a rank must be slow to be a straggler")
     startup_timeout_s: float = Field(
         120.0,
         gt=0,

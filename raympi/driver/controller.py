@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import statistics
 import threading
 import time
 from typing import Any, Callable
@@ -25,8 +26,9 @@ from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
 from raympi.driver.callbacks import Dispatcher, run_params
 from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, Raise, Warm, decide
-from raympi.driver.report import MetricsLog, Progress, write_plot
+from raympi.driver.report import MetricsLog, Progress, RankLog, write_plot
 from raympi.driver.run_state import Checkpoint, Phase, RunState, StepRecord, Timers
+from raympi.driver.stragglers import StragglerRule, StragglerWatch
 from raympi.exceptions import FormationError
 from raympi.worker import WorkerSpec
 
@@ -82,6 +84,10 @@ class Controller:
         self.callbacks = Dispatcher(cfg.callbacks)
         # metrics.jsonl next to the checkpoints, appended (never rewritten) at checkpoints and at the end
         self.metrics_log = MetricsLog(store.file("metrics.jsonl"), store.fs, written=run.step)
+        self.rank_log = RankLog(store.file("ranks.jsonl"), store.fs)
+        rule = StragglerRule(cfg.straggler_factor or 0.0, cfg.straggler_chunks)
+        self.stragglers = StragglerWatch(rule) if cfg.straggler_factor else None
+        self.data_slow_told: set[int] = set()  # ranks already reported slow for their data
 
     # -- the state machine ------------------------------------------------------------------------
 
@@ -292,6 +298,8 @@ class Controller:
         )
         self._collect()
         self._relabel()
+        if chunk.times:
+            self.rank_log.append(chunk, self._running().world)
         self.progress.update(chunk.last, records[-1], force=chunk.eval is not None or chunk.last == self.plan.total)
         if self.callbacks.steps(records) and chunk.last < self.plan.total:
             return Failure(
@@ -305,7 +313,39 @@ class Controller:
                 f"steps ran {slower:.0f}x slower after the warm restart than before it",
                 phase=Phase.DRAINING,
             )
-        return None
+        return self._straggler(chunk) if chunk.last < self.plan.total else None
+
+    def _straggler(self, chunk: Chunk) -> Failure | None:
+        """A rank slow in its own compute for ``straggler_chunks`` chunks in a row, with a hot spare off its node
+        to take its place: a planned stop to evict it (:mod:`raympi.driver.stragglers`)."""
+        if self.stragglers is None or not chunk.times:
+            return None
+        steps = chunk.last - chunk.first
+        slow, data_slow = self.stragglers.observe(chunk.times, steps)
+        group = self._running()
+        for r in sorted(set(data_slow) - self.data_slow_told):
+            self.data_slow_told.add(r)
+            log.warning(
+                "raympi: rank %d waits %.0f ms a step for its data, far longer than its peers: its data is slow "
+                "(a new process would read it the same way: it is not evicted)",
+                r,
+                1e3 * chunk.times[r].data_s / steps,
+            )
+        if not slow:
+            return None
+        nodes = tuple(group.nodes[r] for r in slow if r < len(group.nodes))
+        median = statistics.median(t.compute_s for t in chunk.times)
+        ratio = min(chunk.times[r].compute_s for r in slow) / max(median, 1e-9)
+        cause = (
+            f"rank(s) {slow} computed {ratio:.1f}x slower than the median rank for "
+            f"{self.cfg.straggler_chunks} chunks in a row (straggler_factor={self.cfg.straggler_factor:g})"
+        )
+        if not group.spare_off(set(nodes)):
+            if self.stragglers.streak.get(slow[0]) == self.cfg.straggler_chunks:  # said once a streak
+                log.warning("raympi: %s; no hot spare off their node(s) to take their place: going on", cause)
+            return None
+        self.stragglers.reset()
+        return Failure(FailureKind.STRAGGLER, cause, ranks=tuple(slow), nodes=nodes, phase=Phase.DRAINING)
 
     def draining(self, stop: Failure) -> None:
         """The pipeline stops sending chunks: a planned stop is coming."""

@@ -117,6 +117,8 @@ def fit(
     startup_timeout_s: float = 120.0,
     step_timeout_s: float = 10.0,
     restart_timeout_s: float = 60.0,
+    straggler_factor: float | None = 3.0,
+    straggler_chunks: int = 4,
     # communication
     grad_transport: Literal["auto", "mpi", "nccl", "gloo"] = "auto",
     bucket_bytes: int = 16 * 2**20,
@@ -148,7 +150,7 @@ def fit(
     - cluster and placement: ``address``, ``use_gpu``, ``resources_per_worker`` (default ``{"CPU": 1}``),
       ``placement_strategy``, ``keep_workers`` (default: the environment variable ``RAYMPI_KEEP_WORKERS=1``);
     - fault tolerance: ``min_workers``, ``max_restarts``, ``spares``, ``startup_timeout_s``, ``step_timeout_s``,
-      ``restart_timeout_s``;
+      ``restart_timeout_s``, ``straggler_factor``, ``straggler_chunks``;
     - communication: ``grad_transport``, ``bucket_bytes``, ``overlap``, ``compression``, ``fp32_reduce``, ``mpi``
       (default ``MPIConfig()``);
     - reporting: ``progress``, ``callbacks``.

@@ -242,10 +242,11 @@ class WorkerGroup:
         (and its health checks starved) until the bundle fits, measured here for minutes after a node loss."""
         return self.pg is not None and placement_group_table(self.pg).get("state") == "RESCHEDULING"
 
-    def replace(self, failed: list[int]) -> None:
+    def replace(self, failed: list[int], avoid: frozenset[str] = frozenset()) -> None:
         """Kill the ``failed`` ranks (one found silent and replaced by a spare, once labelled: :meth:`label_silent`);
         hot spares take their places at once, replacements start in the background for the rest where live
-        nodes have room, and new spares start in the freed bundles.
+        nodes have room, and new spares start in the freed bundles.  ``avoid``: nodes whose spares take no
+        rank (a slow or draining node); a rank with no spare elsewhere gets a replacement, as with none at all.
 
         The spares and replacements wait (``spares.incoming``, ``spares.replacements``) until :meth:`reform`
         takes them in.
@@ -260,6 +261,12 @@ class WorkerGroup:
         self._drop_dead_spares()  # a spare taken in must be alive: one on a lost node may not be known dead yet
         spares = self.spares
         alive, spares.outside = spares.sorted_outside(), []  # ready spares first
+        if avoid:  # those on the avoided nodes wait for another turn
+            on = self._nodes_of([s.actor for s in alive + spares.inside])
+            usable = [s for s in alive if on.get(id(s.actor)) not in avoid]
+            spares.outside, alive = [s for s in alive if s not in usable], usable
+            inside = [s for s in spares.inside if on.get(id(s.actor)) not in avoid]
+            held, spares.inside = [s for s in spares.inside if s not in inside], inside
         taken = self.world - len(failed) + len(spares.replacements) + len(spares.incoming)
         room = max(0, cluster_capacity(self.bundle) - taken)
         for r in failed:
@@ -281,6 +288,19 @@ class WorkerGroup:
                 actor = self._spawn(freed, rank=-1)
                 spares.replacements.append(Starting(actor, freed, actor.__ray_ready__.remote()))
         spares.outside.extend(alive)
+        if avoid:
+            spares.inside += held
+
+    def spare_off(self, nodes: set[str]) -> bool:
+        """Whether a hot spare, ready and on none of ``nodes``, could take a rank now."""
+        candidates = [s.actor for s in self.spares.inside] + [s.actor for s in self.spares.outside if s.usable()]
+        return any(node not in nodes for node in self._nodes_of(candidates).values())
+
+    def _nodes_of(self, actors: list[Any], timeout_s: float = SPARE_PING_S) -> dict[int, str]:
+        """The node of each of ``actors`` that answers within ``timeout_s`` (keyed by ``id(actor)``)."""
+        calls = {id(a): a.node.remote() for a in actors}
+        ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
+        return {k: ray.get(ref) for k, ref in calls.items() if ray.wait([ref], timeout=0)[0] and succeeded(ref)}
 
     def replacement_ready(self) -> bool:
         """Whether a replacement started by :meth:`replace` is ready to be taken in (a grow)."""

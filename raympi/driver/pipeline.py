@@ -18,6 +18,7 @@ import torch
 from raympi.deadline import Deadline
 from raympi.driver.data import Sampler
 from raympi.driver.policy import Failed, Failure, FailureKind
+from raympi.worker.results import StepTimes
 
 __all__ = ["Chunk", "ChunkPlan", "Pipeline", "Hooks"]
 
@@ -71,6 +72,7 @@ class Chunk:
     refs: list[Any]
     eval: list[Any] | None = None
     state: Any = None  # rank 0's state after ``last`` (a checkpoint), when asked for
+    times: list[StepTimes] | None = None  # where each rank's time went, once done
 
 
 class Hooks(Protocol):
@@ -198,6 +200,7 @@ class Pipeline:
                 results = group.gather(chunk.refs, deadline, f"steps {chunk.first + 1}-{chunk.last}", heartbeat=True)
             except Failed as failed:
                 return dataclasses.replace(failed.failure, chunks=(chunk, *inflight))
+            chunk.times = [res.times for res in results]
             aborted = [r for r, res in enumerate(results) if res.aborted]
             if aborted:
                 return Failure(

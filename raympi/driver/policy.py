@@ -58,6 +58,9 @@ class FailureKind(str, enum.Enum):
     # far slower after a warm restart (seen: Ray busy re-placing a lost bundle): checkpoint taken, a fresh group
     DEGRADED = "degraded"
     NO_CAPACITY = "no_capacity"  # a restart found no way to host min_workers within restart_timeout_s
+    # a rank computing far slower than its peers, chunk after chunk: checkpoint taken, a hot spare off its node
+    # takes its place (raympi.driver.stragglers)
+    STRAGGLER = "straggler"
 
     @property
     def planned(self) -> bool:
@@ -68,6 +71,7 @@ class FailureKind(str, enum.Enum):
             FailureKind.CAPACITY_BACK,
             FailureKind.EARLY_STOP,
             FailureKind.DEGRADED,
+            FailureKind.STRAGGLER,
         )
 
     @property
@@ -230,9 +234,9 @@ def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capac
         and kind is not FailureKind.FORMATION
         and len(survivors) + min(room, len(failed)) >= config.min_ranks
     )
-    if kind is FailureKind.PREEMPTED and warm:  # the preempted rank is replaced, its peers keep their state
+    if kind in (FailureKind.PREEMPTED, FailureKind.STRAGGLER) and warm:  # replaced; its peers keep their state
         return Warm(survivors=survivors, failed=failed)
-    if kind.planned:  # PREEMPTED without survivors, CAPACITY_BACK, DEGRADED (DRIVER_SIGTERM was handled above)
+    if kind.planned:  # PREEMPTED or STRAGGLER without survivors, CAPACITY_BACK, DEGRADED (DRIVER_SIGTERM: above)
         return Cold(planned=True)
     if run.failures >= config.max_restarts:
         return Raise(

@@ -95,7 +95,8 @@ def warm(
     record = record_of(failure, run, group.world)
     failed, survivors = list(decision.failed), list(decision.survivors)
     group.abort(survivors)
-    group.replace(failed)  # replacements boot while the survivors drain
+    # Replacements boot while the survivors drain; a straggler's node holds no spare that may take its place.
+    group.replace(failed, avoid=frozenset(failure.nodes) if failure.kind is FailureKind.STRAGGLER else frozenset())
     deadline = Deadline(cfg.step_timeout_s, "step_timeout_s")
     reported: dict[int, dict[str, Any]] = {}
     done = {r: run.step for r in survivors}

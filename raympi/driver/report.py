@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Announcer", "MetricsLog", "Progress", "read_metrics", "write_plot"]
+__all__ = ["Announcer", "MetricsLog", "Progress", "RankLog", "read_metrics", "read_ranks", "write_plot"]
 
 
 class Announcer:
@@ -145,6 +145,45 @@ class MetricsLog:
     def rewind(self, step: int) -> None:
         """Training went back to ``step`` (a restart): the steps after it will be written again when redone."""
         self.written = min(self.written, step)
+
+
+class RankLog:
+    """``ranks.jsonl``: one JSON line per chunk of steps with where each rank's time went, appended, never rewritten.
+
+    A line: ``{"step": last step, "steps": steps in the chunk, "time": wall-clock, "world": ranks, "data_s": [...],
+    "compute_s": [...], "collective_s": [...]}``, the lists in rank order, seconds summed over the chunk.  It logs
+    what ran: steps run again after a cold restart (or a resume) appear again, with their later time.
+    """
+
+    def __init__(self, path: str, fs: Any) -> None:
+        self.path, self.fs = path, fs
+
+    def append(self, chunk: Any, world: int) -> None:
+        """Log ``chunk`` (a :class:`~raympi.driver.pipeline.Chunk` with its ``times``) of a group of ``world``."""
+        times = chunk.times
+        line = {
+            "step": chunk.last,
+            "steps": chunk.last - chunk.first,
+            "time": round(time.time(), 3),
+            "world": world,
+            **{k: [round(getattr(t, k), 5) for t in times] for k in ("data_s", "compute_s", "collective_s")},
+        }
+        try:
+            with self.fs.open(self.path, "ab") as f:
+                f.write((json.dumps(line) + "\n").encode())
+        except (NotImplementedError, ValueError, OSError):  # no append on this filesystem: the lines so far, then it
+            previous = read_ranks(self.path, self.fs)
+            with self.fs.open(self.path, "wb") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in [*previous, line]).encode())
+
+
+def read_ranks(path: str, fs: Any) -> list[dict[str, Any]]:
+    """The lines of ``ranks.jsonl`` (:class:`RankLog`); [] when there is none."""
+    try:
+        with fs.open(path, "rb") as f:
+            return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    except (FileNotFoundError, OSError):
+        return []
 
 
 def read_metrics(path: str, fs: Any, until: int) -> list[dict[str, Any]]:

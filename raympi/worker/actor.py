@@ -120,6 +120,7 @@ class Worker(comm.Member):
         _apply_env(spec.env)
         torch.set_num_threads(spec.torch_threads)
         self.host = socket.gethostname()
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.rank = rank  # the rank this actor will get; Ray tags its printed lines with it (see __repr__)
         self.device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
         self.model = spec.model.to(self.device)
@@ -391,6 +392,11 @@ class Worker(comm.Member):
         if self.comm is not None and self.comm.in_collective_since:
             activity, since = "collective", self.comm.in_collective_since
         return Where(self.at_step, activity, time.monotonic() - since)
+
+    @ray.method(concurrency_group="health")
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        return self.node_id
 
     @ray.method(concurrency_group="health")
     def stacks(self) -> str:
