@@ -29,8 +29,16 @@ def start() -> Callable[[], None]:
         return ray.shutdown
     # As ray.init starts it (its own stop is ours: no SIGTERM handler of Ray's over fit's); the reaper
     # ends Ray's processes if this driver dies.
+    # No dashboard, and no fixed port for its agent (Ray's 52365): another driver or test run beside this one
+    # would fight over it.
+    params = RayParams(
+        include_dashboard=False,
+        include_log_monitor=False,  # type: ignore[arg-type]  # (a bool, as Ray reads it)
+        dashboard_port=None,
+        dashboard_agent_listen_port=0,
+    )
     node = Node(
-        RayParams(include_dashboard=False, include_log_monitor=False),  # type: ignore[arg-type]  # (a bool, as Ray reads it)
+        params,
         head=True,
         shutdown_at_exit=False,
         spawn_reaper=True,
