@@ -334,10 +334,10 @@ class Controller:
         if not slow:
             return None
         nodes = tuple(group.nodes[r] for r in slow if r < len(group.nodes))
-        median = statistics.median(t.compute_s for t in chunk.times)
-        ratio = min(chunk.times[r].compute_s for r in slow) / max(median, 1e-9)
+        compute = [t.compute_s for t in chunk.times]
+        ratio = min(compute[r] / max(statistics.median(compute[:r] + compute[r + 1 :]), 1e-9) for r in slow)
         cause = (
-            f"rank(s) {slow} computed {ratio:.1f}x slower than the median rank for "
+            f"rank(s) {slow} computed {ratio:.1f}x slower than the median of their peers for "
             f"{self.cfg.straggler_chunks} chunks in a row (straggler_factor={self.cfg.straggler_factor:g})"
         )
         if not group.spare_off(set(nodes)):
