@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-import statistics
 import threading
 import time
 from typing import Any, Callable
@@ -28,7 +27,7 @@ from raympi.driver.callbacks import Dispatcher, run_params
 from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, Raise, Warm, decide
 from raympi.driver.report import MetricsLog, Progress, RankLog, write_plot
 from raympi.driver.run_state import Checkpoint, Phase, RunState, StepRecord, Timers
-from raympi.driver.stragglers import StragglerRule, StragglerWatch
+from raympi.driver.stragglers import StragglerRule, StragglerWatch, peer_medians
 from raympi.exceptions import FormationError
 from raympi.worker import WorkerSpec
 
@@ -335,7 +334,8 @@ class Controller:
             return None
         nodes = tuple(group.nodes[r] for r in slow if r < len(group.nodes))
         compute = [t.compute_s for t in chunk.times]
-        ratio = min(compute[r] / max(statistics.median(compute[:r] + compute[r + 1 :]), 1e-9) for r in slow)
+        peers = peer_medians(compute)
+        ratio = min(compute[r] / max(peers[r], 1e-9) for r in slow)
         cause = (
             f"rank(s) {slow} computed {ratio:.1f}x slower than the median of their peers for "
             f"{self.cfg.straggler_chunks} chunks in a row (straggler_factor={self.cfg.straggler_factor:g})"

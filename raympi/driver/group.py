@@ -298,9 +298,7 @@ class WorkerGroup:
 
     def _nodes_of(self, actors: list[Any], timeout_s: float = SPARE_PING_S) -> dict[int, str]:
         """The node of each of ``actors`` that answers within ``timeout_s`` (keyed by ``id(actor)``)."""
-        calls = {id(a): a.node.remote() for a in actors}
-        ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
-        return {k: ray.get(ref) for k, ref in calls.items() if ray.wait([ref], timeout=0)[0] and succeeded(ref)}
+        return _answers({id(a): a.node.remote() for a in actors}, timeout_s)
 
     def replacement_ready(self) -> bool:
         """Whether a replacement started by :meth:`replace` is ready to be taken in (a grow)."""
@@ -573,16 +571,12 @@ class WorkerGroup:
         link cut, say) or every one is.  ``places``: one line of each rank's step, activity and time at it;
         ``report``: that and each rank's stacks, for the run's folder.
         """
-        calls = {r: (a.where.remote(), a.stacks.remote()) for r, a in enumerate(self.actors)}
-        flat = [ref for pair in calls.values() for ref in pair]
-        ray.wait(flat, num_returns=len(flat), timeout=timeout_s)
-        places: dict[int, Where] = {}
-        stacks: dict[int, str] = {}
-        for r, (where_ref, stacks_ref) in calls.items():
-            if ray.wait([where_ref], timeout=0)[0] and succeeded(where_ref):
-                places[r] = ray.get(where_ref)
-            if ray.wait([stacks_ref], timeout=0)[0] and succeeded(stacks_ref):
-                stacks[r] = ray.get(stacks_ref)
+        asked = {
+            (r, what): getattr(a, what).remote() for r, a in enumerate(self.actors) for what in ("where", "stacks")
+        }
+        answers = _answers(asked, timeout_s)
+        places: dict[int, Where] = {r: v for (r, what), v in answers.items() if what == "where"}
+        stacks: dict[int, str] = {r: v for (r, what), v in answers.items() if what == "stacks"}
         inside = [r for r, p in places.items() if p.activity == "collective"]
         culprits = [r for r in ranks if r in places and places[r].activity != "collective"] if inside else []
         line = "; ".join(
@@ -759,6 +753,12 @@ def _clean(trace: str) -> str:
     """A remote traceback without colour codes and without the ``^^^^`` marker lines."""
     lines = re.sub(r"\x1b\[[0-9;]*m", "", trace).splitlines()
     return "\n".join(line for line in lines if line.strip(" ^~"))
+
+
+def _answers(calls: dict[Any, Any], timeout_s: float) -> dict[Any, Any]:
+    """What each call (key -> object ref) returned, for the calls that succeeded within ``timeout_s`` together."""
+    ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
+    return {k: ray.get(ref) for k, ref in calls.items() if ray.wait([ref], timeout=0)[0] and succeeded(ref)}
 
 
 def _answer(actors: list[Any]) -> bool:

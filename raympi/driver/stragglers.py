@@ -26,7 +26,7 @@ from typing import Sequence
 
 from raympi.worker.results import StepTimes
 
-__all__ = ["StragglerRule", "StragglerWatch", "slow_ranks"]
+__all__ = ["StragglerRule", "StragglerWatch", "peer_medians", "slow_ranks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,11 @@ class StragglerRule:
     min_step_s: float = 0.01
 
 
+def peer_medians(values: Sequence[float]) -> list[float]:
+    """For each rank, the median of the other ranks' ``values``: what its own value is judged against."""
+    return [statistics.median([*values[:r], *values[r + 1 :]]) for r in range(len(values))]
+
+
 def slow_ranks(times: Sequence[StepTimes], steps: int, rule: StragglerRule) -> tuple[list[int], list[int]]:
     """``(compute-slow, data-slow)``: the ranks of one chunk of ``steps`` steps slow in their own compute,
     and those slow in waiting for their data (see the module docstring)."""
@@ -51,12 +56,8 @@ def slow_ranks(times: Sequence[StepTimes], steps: int, rule: StragglerRule) -> t
         return [], []
 
     def slow(values: list[float]) -> list[int]:
-        out = []
-        for r, v in enumerate(values):
-            peers = statistics.median(values[:r] + values[r + 1 :])
-            if v >= rule.factor * peers and v - peers >= rule.min_step_s:
-                out.append(r)
-        return out
+        peers = peer_medians(values)
+        return [r for r, v in enumerate(values) if v >= rule.factor * peers[r] and v - peers[r] >= rule.min_step_s]
 
     return slow([t.compute_s / steps for t in times]), slow([t.data_s / steps for t in times])
 
