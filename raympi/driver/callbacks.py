@@ -6,6 +6,8 @@ A callback is any object with some of these methods; each runs on the driver, ne
   ``batch_size``, ...: the plain values) and the model's parameter count.
 * ``on_step(record)``: after every step, with its metrics record (step, epoch, loss, ...).
 * ``on_eval(record)``: after an evaluation, with the record of the step it followed (``eval_*`` keys).
+* ``on_ranks(line)``: after every chunk of steps, with where each rank's time went (a line of ``ranks.jsonl``:
+  ``step``, ``steps``, ``world``, and ``data_s``, ``compute_s``, ``collective_s`` in rank order).
 * ``on_checkpoint(path, step)``: once a checkpoint is on storage.
 * ``on_restart(record)``: after a recovery, with its restart record.
 * ``on_end(records)``: once, when the run ends (normally or stopped early).
@@ -37,6 +39,9 @@ class Callback:
         return None
 
     def on_eval(self, record: dict[str, Any]) -> bool | None:
+        return None
+
+    def on_ranks(self, line: dict[str, Any]) -> None:
         return None
 
     def on_checkpoint(self, path: str, step: int) -> None:
@@ -113,6 +118,9 @@ class Dispatcher:
 
     def start(self, params: dict[str, Any]) -> None:
         self._call("on_start", params)
+
+    def ranks(self, line: dict[str, Any]) -> None:
+        self._call("on_ranks", line)
 
     def checkpoint(self, path: str, step: int) -> None:
         self._call("on_checkpoint", path, step)

@@ -298,7 +298,7 @@ class Controller:
         self._collect()
         self._relabel()
         if chunk.times:
-            self.rank_log.append(chunk, self._running().world)
+            self.callbacks.ranks(self.rank_log.append(chunk, self._running().world))
         self.progress.update(chunk.last, records[-1], force=chunk.eval is not None or chunk.last == self.plan.total)
         if self.callbacks.steps(records) and chunk.last < self.plan.total:
             return Failure(

@@ -158,8 +158,9 @@ class RankLog:
     def __init__(self, path: str, fs: Any) -> None:
         self.path, self.fs = path, fs
 
-    def append(self, chunk: Any, world: int) -> None:
-        """Log ``chunk`` (a :class:`~raympi.driver.pipeline.Chunk` with its ``times``) of a group of ``world``."""
+    def append(self, chunk: Any, world: int) -> dict[str, Any]:
+        """Log ``chunk`` (a :class:`~raympi.driver.pipeline.Chunk` with its ``times``) of a group of ``world``;
+        returns the line written."""
         times = chunk.times
         line = {
             "step": chunk.last,
@@ -175,6 +176,7 @@ class RankLog:
             previous = read_ranks(self.path, self.fs)
             with self.fs.open(self.path, "wb") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in [*previous, line]).encode())
+        return line
 
 
 def read_ranks(path: str, fs: Any) -> list[dict[str, Any]]:
