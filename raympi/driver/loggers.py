@@ -1,9 +1,9 @@
 """Experiment loggers, as callbacks (see :mod:`raympi.driver.callbacks`): TensorBoard, MLflow and Weights & Biases.
 
 Each logs the run's options as params once (``on_start``), every numeric metric per step and per
-evaluation, and each restart (``restarts`` and ``world_size`` at the step it resumed from).  Each
-needs its package, an optional extra: ``pip install 'raympi[tensorboard]'``, ``'raympi[mlflow]'``,
-``'raympi[wandb]'``.
+evaluation, and each restart (``restarts`` and ``world_size`` at the step it resumed from); TensorBoard
+also each rank's time a step (``on_ranks``).  Each needs its package, an optional extra:
+``pip install 'raympi[tensorboard]'``, ``'raympi[mlflow]'``, ``'raympi[wandb]'``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
+
+from raympi.driver.report import TIMES, ms_per_step
 
 __all__ = ["MLflow", "TensorBoard", "WandB"]
 
@@ -39,7 +41,9 @@ def numbers(record: dict[str, Any], evaluation: bool) -> dict[str, float]:
 
 
 class TensorBoard:
-    """Write every numeric metric as a TensorBoard scalar (``pip install 'raympi[tensorboard]'``).
+    """Write every numeric metric as a TensorBoard scalar (``pip install 'raympi[tensorboard]'``), and after every
+    chunk of steps each rank's ms a step waiting for data, computing and in collectives (``rank/data_ms/R``,
+    ``rank/compute_ms/R``, ``rank/collective_ms/R`` for rank ``R``, at the chunk's last step).
 
     Args:
         log_dir: where the event files go (one run per folder).
@@ -62,6 +66,12 @@ class TensorBoard:
     def on_eval(self, record: dict[str, Any]) -> None:
         self._write(record, evaluation=True)
         self.writer.flush()
+
+    def on_ranks(self, line: dict[str, Any]) -> None:
+        """Each rank's ms a step waiting for data, computing and in collectives: ``rank/compute_ms/0``, ..."""
+        for key in TIMES:
+            for rank, ms in enumerate(ms_per_step(line, key)):
+                self.writer.add_scalar(f"rank/{key.removesuffix('_s')}_ms/{rank}", ms, line["step"])
 
     def on_restart(self, record: dict[str, Any]) -> None:
         self.writer.add_scalar("restarts/world_after", record.get("world_after", 0), record["step"])

@@ -5,9 +5,24 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
-__all__ = ["Announcer", "MetricsLog", "Progress", "RankLog", "read_metrics", "read_ranks", "write_plot"]
+__all__ = [
+    "TIMES",
+    "Announcer",
+    "MetricsLog",
+    "Progress",
+    "RankLog",
+    "ms_per_step",
+    "read_metrics",
+    "read_ranks",
+    "write_plot",
+]
+
+#: The lists of a ``ranks.jsonl`` line (:class:`RankLog`): each rank's seconds waiting for data, computing and waiting
+#: in collectives, summed over the chunk.
+TIMES = ("data_s", "compute_s", "collective_s")
 
 
 class Announcer:
@@ -167,7 +182,7 @@ class RankLog:
             "steps": chunk.last - chunk.first,
             "time": round(time.time(), 3),
             "world": world,
-            **{k: [round(getattr(t, k), 5) for t in times] for k in ("data_s", "compute_s", "collective_s")},
+            **{k: [round(getattr(t, k), 5) for t in times] for k in TIMES},
         }
         try:
             with self.fs.open(self.path, "ab") as f:
@@ -180,12 +195,37 @@ class RankLog:
 
 
 def read_ranks(path: str, fs: Any) -> list[dict[str, Any]]:
-    """The lines of ``ranks.jsonl`` (:class:`RankLog`); [] when there is none."""
+    """The lines of ``ranks.jsonl`` (:class:`RankLog`); [] when there is none.  A line cut short by a crash
+    mid-write is left out."""
     try:
         with fs.open(path, "rb") as f:
-            return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+            text = f.read().decode()
     except (FileNotFoundError, OSError):
         return []
+    lines = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("step"), int)
+            and all(isinstance(record.get(key), list) for key in TIMES)
+        ):
+            lines.append(record)
+    return lines
+
+
+def ms_per_step(line: Mapping[str, Any], key: str) -> list[float]:
+    """Each rank's milliseconds a step of ``key`` (one of :data:`TIMES`) in a ``ranks.jsonl`` line, in rank order.
+
+    Example:
+        >>> ms_per_step({"steps": 4, "compute_s": [0.04, 0.2]}, "compute_s")
+        [10.0, 50.0]
+    """
+    steps = max(1, int(line.get("steps", 1)))
+    return [1e3 * seconds / steps for seconds in line[key]]
 
 
 def read_metrics(path: str, fs: Any, until: int) -> list[dict[str, Any]]:
