@@ -1,4 +1,5 @@
-"""Command line: ``python -m raympi doctor`` (or ``raympi doctor``) checks this machine."""
+"""Command line: ``python -m raympi doctor`` (or ``raympi doctor``) checks this machine; ``python -m raympi report
+RUN_DIR`` summarizes a run's folder (each rank's time, the restarts, the hangs) and draws its timeline."""
 
 from __future__ import annotations
 
@@ -119,13 +120,42 @@ def doctor() -> int:
     return 0
 
 
+def report(run_dir: str) -> int:
+    """Print the summary of the run in ``run_dir`` and write its ``timeline.png`` there; 1 with a one-line reason
+    when there is no run."""
+    import fsspec
+
+    from raympi.driver import summary, timeline
+
+    fs, folder = fsspec.core.url_to_fs(run_dir)
+    try:
+        run = summary.read_run(folder, fs)
+    except FileNotFoundError as exc:
+        print(f"raympi report: {exc}", file=sys.stderr)
+        return 1
+    print(summary.format_summary(run))
+    path = f"{folder.rstrip('/')}/timeline.png"
+    try:
+        timeline.write_timeline(run.lines, run.restarts, path, fs)
+        print(f"timeline: {path}")
+    except OSError as exc:
+        print(f"timeline: not written to {path} ({exc.strerror or exc})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="raympi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check the MPI library, connect/accept and the Ray cluster")
+    summarize = sub.add_parser(
+        "report", help="summarize a run's folder: each rank's time, the restarts, the hangs; writes timeline.png"
+    )
+    summarize.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (fit's checkpoint_dir)")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return doctor()
+    if args.command == "report":
+        return report(args.run_dir)
     return 2
 
 

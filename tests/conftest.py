@@ -38,6 +38,7 @@ TIERS = {
         "test_shard",
         "test_state",
         "test_step",
+        "test_summary",
         "test_time_limits",
     },
     "system": {
