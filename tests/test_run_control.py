@@ -5,6 +5,9 @@ oversubscribed local runs: tests/test_elastic.py, which runs drivers in subproce
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -92,6 +95,22 @@ def test_tensorboard_event_files_are_readable(ray_session, tmp_path):
     assert {"loss", "accuracy", "eval_loss", "eval_accuracy"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("loss")] == list(range(1, 33))
     assert [e.step for e in events.Scalars("eval_loss")] == [16, 32]
+    assert {f"rank/{k}_ms/{r}" for k in ("data", "compute", "collective") for r in (0, 1)} <= set(
+        events.Tags()["scalars"]
+    )
+
+
+def test_the_report_of_a_real_run_names_its_two_ranks(ray_session, tmp_path):
+    _fit(tmp_path, epochs=1)
+    done = subprocess.run(
+        [sys.executable, "-m", "raympi", "report", str(tmp_path / "ck")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if re.fullmatch(r" *\d+( +[\d.]+){4}", line)]
+    assert [row[0] for row in rows] == ["0", "1"], done.stdout
+    assert "steps run (to step 8), world 2" in done.stdout and "slowest by compute: rank " in done.stdout
+    assert "restarts: 0, from step-00000008/manifest.json" in done.stdout
+    assert (tmp_path / "ck" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
