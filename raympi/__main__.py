@@ -137,9 +137,10 @@ def report(run_dir: str) -> int:
     path = f"{folder.rstrip('/')}/timeline.png"
     try:
         timeline.write_timeline(run.lines, run.restarts, path, fs)
-        print(f"timeline: {path}")
-    except OSError as exc:
+    except OSError as exc:  # a folder we may read but not write
         print(f"timeline: not written to {path} ({exc.strerror or exc})")
+    else:
+        print(f"timeline: {path}")
     return 0
 
 

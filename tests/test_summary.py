@@ -76,10 +76,11 @@ def test_each_ranks_time_a_step_over_a_world_that_shrinks():
     assert ranks[0].compute_ms == pytest.approx(1e3 * 0.18 / 18) and ranks[1].compute_ms == pytest.approx(10.0)
     assert ranks[2].compute_ms == pytest.approx(1e3 * 0.44 / 12)  # 36.7 ms: its own 3 chunks, 12 steps
     assert ranks[0].data_ms == pytest.approx(1e3 * 0.02 / 18) and ranks[2].collective_ms == pytest.approx(40.0)
-    top, ratio = summary.slowest(ranks)
-    assert top.rank == 2 and ratio == pytest.approx(44 / 12)  # against the median of its peers, 10 ms
-    assert summary.slowest(summary.rank_times(LINES[-1:]))[1] == pytest.approx(1.0)
-    assert summary.slowest(summary.rank_times([_line(4, 4, [0.04])]))[1] is None  # no peers
+    assert summary.slowest(LINES) == (2, pytest.approx(0.44 / 0.12))  # against its peers' median in the same chunks
+    assert summary.slowest(LINES[-1:]) == (0, pytest.approx(1.0))  # two equal ranks
+    assert summary.slowest([_line(4, 4, [0.04]), _line(8, 4, [0.2])]) is None  # never any peers
+    # rank 1 ran only in a first, slow chunk (all slow together): its peers' median there is the measure
+    assert summary.slowest([_line(1, 1, [0.5, 0.5]), _line(9, 8, [0.04])]) == (0, pytest.approx(1.0))
     assert summary.slowest([]) is None
 
 
@@ -124,6 +125,9 @@ def test_a_folder_without_ranks_or_checkpoints(tmp_path):
     text = summary.format_summary(summary.read_run(str(tmp_path / "run"), LOCAL))
     assert "ranks.jsonl: none (no chunk logged)" in text and "restarts: 0 (no checkpoint holds any)" in text
     assert "slowest" not in text
+    (tmp_path / "run" / "ranks.jsonl").write_text(json.dumps(_line(4, 4, [0.04])) + "\n")
+    text = summary.format_summary(summary.read_run(str(tmp_path / "run"), LOCAL))
+    assert "slowest by compute: - (no chunk had two ranks)" in text
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no run"):
         summary.read_run(str(tmp_path / "empty"), LOCAL)

@@ -13,12 +13,12 @@ import dataclasses
 import json
 import posixpath
 import re
-import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from raympi.driver.report import TIMES, read_ranks
+from raympi.driver.stragglers import peer_medians
 
 __all__ = ["RankTimes", "RunSummary", "category", "format_summary", "rank_times", "read_run", "slowest"]
 
@@ -84,15 +84,29 @@ def rank_times(lines: Sequence[Mapping[str, Any]]) -> list[RankTimes]:
     return out
 
 
-def slowest(ranks: Sequence[RankTimes]) -> tuple[RankTimes, float | None] | None:
-    """The rank with the most compute a step, and that against the median of its peers' (None without peers, or
-    when they took no time); None without ranks."""
-    if not ranks:
+def slowest(lines: Sequence[Mapping[str, Any]]) -> tuple[int, float] | None:
+    """The rank slowest in its own compute, and how much: its compute against the median of its peers' over the
+    same chunks (the straggler rule's measure, :func:`~raympi.driver.stragglers.peer_medians`), so that ranks of
+    worlds of different sizes, or of a slow first chunk, compare fairly.  None when no chunk had two ranks.
+
+    Example:
+        >>> slowest([{"compute_s": [0.04, 0.04, 0.2]}, {"compute_s": [0.04, 0.04, 0.04]}])
+        (2, 3.0)
+    """
+    own: dict[int, float] = {}
+    peers: dict[int, float] = {}
+    for line in lines:
+        compute = line["compute_s"]
+        if len(compute) < 2:
+            continue
+        for rank, (seconds, median) in enumerate(zip(compute, peer_medians(compute))):
+            own[rank] = own.get(rank, 0.0) + seconds
+            peers[rank] = peers.get(rank, 0.0) + median
+    ratios = {rank: own[rank] / peers[rank] for rank in own if peers[rank] > 0}
+    if not ratios:
         return None
-    top = max(ranks, key=lambda r: r.compute_ms)
-    peers = [r.compute_ms for r in ranks if r is not top]
-    median = statistics.median(peers) if peers else 0.0
-    return top, (top.compute_ms / median if median > 0 else None)
+    rank = max(ratios, key=lambda r: ratios[r])
+    return rank, ratios[rank]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +190,15 @@ def format_summary(run: RunSummary) -> str:
             f"{r.rank:>4} {r.data_ms:>10.2f} {r.compute_ms:>11.2f} {r.collective_ms:>14.2f} {r.chunks:>7}"
             for r in ranks
         ]
-        top = slowest(ranks)
-        if top is not None:
+        top = slowest(run.lines)
+        if top is None:
+            out.append("slowest by compute: - (no chunk had two ranks)")
+        else:
             rank, ratio = top
-            against = f", {ratio:.2f}x the median of its peers" if ratio is not None else ""
-            out.append(f"slowest by compute: rank {rank.rank}, {rank.compute_ms:.2f} ms a step{against}")
+            out.append(
+                f"slowest by compute: rank {rank}, {ranks[rank].compute_ms:.2f} ms a step, "
+                f"{ratio:.2f}x the median of its peers"
+            )
     else:
         out.append("ranks.jsonl: none (no chunk logged)")
     where = f", from {run.checkpoint}/manifest.json" if run.checkpoint else " (no checkpoint holds any)"

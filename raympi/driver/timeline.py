@@ -59,8 +59,8 @@ def write_timeline(
     from matplotlib.lines import Line2D
 
     ranks = rank_times(lines)
-    top = slowest(ranks)
-    slow = top[0].rank if top is not None else None
+    top = slowest(lines)
+    slow = top[0] if top is not None else None
     fig, axes = plt.subplots(len(_PANELS), 1, figsize=(12, 8), sharex=True)
     for ax, (key, name) in zip(axes, _PANELS):
         for rank, (steps, ms) in enumerate(_series(lines, key)):
@@ -74,8 +74,8 @@ def write_timeline(
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
     title = f"each rank's time a step, {len(lines)} chunks"
-    if top is not None and top[1] is not None:
-        title += f"; slowest by compute: rank {top[0].rank}, {top[1]:.2f}x the median of its peers"
+    if top is not None:
+        title += f"; slowest by compute: rank {top[0]}, {top[1]:.2f}x the median of its peers"
     axes[0].set_title(title)
     if ranks:
         axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
