@@ -128,6 +128,8 @@ def report(run_dir: str) -> int:
     from raympi.driver import summary, timeline
 
     fs, folder = fsspec.core.url_to_fs(run_dir)
+    if "://" not in run_dir:  # a local path: shown as given
+        folder = run_dir.rstrip("/") or "/"
     try:
         run = summary.read_run(folder, fs)
     except FileNotFoundError as exc:

@@ -86,7 +86,7 @@ def rank_times(lines: Sequence[Mapping[str, Any]]) -> list[RankTimes]:
 
 def slowest(lines: Sequence[Mapping[str, Any]]) -> tuple[int, float] | None:
     """The rank slowest in its own compute, and how much: its compute against the median of its peers' over the
-    same chunks (the straggler rule's measure, :func:`~raympi.driver.stragglers.peer_medians`), so that ranks of
+    same chunks (the straggler rule's measure, ``stragglers.peer_medians``), so that ranks of
     worlds of different sizes, or of a slow first chunk, compare fairly.  None when no chunk had two ranks.
 
     Example:
