@@ -653,6 +653,86 @@ def test_a_rank_slowed_down_for_real_is_evicted_for_a_spare_with_no_step_lost(cl
     assert all(len(line["compute_s"]) == line["world"] == 2 for line in lines)
 
 
+def _node_of(pid: int, cluster):
+    """The cluster's worker node whose raylet started the process ``pid``."""
+    raylet = psutil.Process(pid).parent()
+    return next(n for n in cluster.workers if n.all_processes["raylet"][0].process.pid == raylet.pid)
+
+
+def test_a_drained_node_loses_no_step_and_is_then_removed(cluster, uninterrupted, tmp_path):
+    """A spot notice: Ray is asked to drain the node of a rank (``ray drain-node --reason
+    DRAIN_NODE_REASON_PREEMPTION``, 60 s deadline).  The driver moves that rank to the hot spare on another node
+    through the warm path before the deadline (a planned migration: checkpoint first, no step lost, no failure
+    counted); the node is then removed while training goes on, which costs nothing more."""
+    from raympi.driver import drains
+
+    folder, drained, removed = tmp_path / "ck", [], threading.Event()
+
+    def drain_a_rank_node() -> None:
+        node = _node_of(procs.training_ranks()[1].pid, cluster)
+        drains.drain_node(node.node_id, "spot instance reclaimed (test)", deadline_s=60)
+        drained.append(node)
+
+    class RemoveOnceMoved:
+        def on_restart(self, record) -> None:
+            if record["kind"] == "node_drain" and drained:
+                cluster.workers.remove(drained[0])
+                threading.Thread(target=lambda: (cluster.remove_node(drained[0]), removed.set()), daemon=True).start()
+
+    handler = _when_logged("is standby rank", drain_a_rank_node)  # once the spare is in the standby communicator
+    try:
+        result = raympi.fit(
+            _net(0.03),
+            _data(),
+            workers=2,
+            checkpoint_dir=str(folder),
+            callbacks=[RemoveOnceMoved()],
+            **{**OPTIONS, "max_restarts": 0},
+        )
+    finally:
+        logging.getLogger("raympi").removeHandler(handler)
+        if drained and drained[0] in cluster.workers:
+            cluster.workers.remove(drained[0])
+            cluster.remove_node(drained[0])
+    assert drained and removed.wait(30)
+    (record,) = result.restarts  # the removal of the emptied node cost nothing
+    assert record["kind"] == "node_drain" and len(record["ranks"]) == 1, record
+    assert record["nodes"] == [drained[0].node_id] and "being drained" in record["cause"], record
+    assert record["path"] == "warm" and record["spare"] is True and record["steps_lost"] == 0, record
+    assert [m["step"] for m in result.metrics] == list(range(1, len(result.metrics) + 1))
+    assert result.metrics[-1]["world_size"] == 2
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
+def test_a_drained_node_with_no_room_elsewhere_goes_on_with_fewer_workers(cluster, uninterrupted, tmp_path):
+    """Three ranks on the three nodes and no spare: the rank on the draining node leaves at a checkpoint, and the
+    two others go on without it (min_workers=2), warm, no step lost; no replacement is started on that node."""
+    from raympi.driver import drains
+
+    folder, drained = tmp_path / "ck", []
+
+    def drain_a_rank_node() -> None:
+        node = _node_of(procs.training_ranks(least=3)[2].pid, cluster)
+        drains.drain_node(node.node_id, "spot instance reclaimed (test)", deadline_s=60)
+        drained.append(node)
+
+    _when_checkpoint(folder, 20, drain_a_rank_node)
+    try:
+        result = raympi.fit(
+            _net(0.03), _data(), workers=3, min_workers=2, spares=0, checkpoint_dir=str(folder), **OPTIONS
+        )
+    finally:
+        for node in drained:
+            cluster.workers.remove(node)
+            cluster.remove_node(node)
+    assert drained
+    (record,) = result.restarts
+    assert record["kind"] == "node_drain" and record["path"] == "warm" and record["steps_lost"] == 0, record
+    assert record["world_before"] == 3 and record["world_after"] == 2 and record["spare"] is False, record
+    assert result.metrics[-1]["world_size"] == 2
+    assert _max_diff(result.state, uninterrupted.state) < 1e-4
+
+
 def test_a_worker_killed_while_a_spare_joins_is_recovered(cluster, uninterrupted, tmp_path):
     """A worker killed the moment a hot spare starts joining the standby communicator (the join is cut
     short, its members part-way through or not started): the run recovers, loses nothing, and ends on

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Container, Sequence
 
 import ray
 
 from raympi.driver import tune
 from raympi.driver.config import FitConfig
+from raympi.driver.drains import draining_nodes
 
 __all__ = ["cluster_capacity", "spans_hosts", "worker_bundle"]
 
@@ -22,21 +23,22 @@ def worker_bundle(cfg: FitConfig, use_gpu: bool) -> dict[str, float]:
     return bundle
 
 
-def _room(node: dict[str, Any], bundle: dict[str, float]) -> int:
-    """How many bundles of ``bundle`` a live node's total resources hold (0 for a dead node)."""
-    if not node.get("Alive"):
+def _room(node: dict[str, Any], bundle: dict[str, float], draining: Container[str] = ()) -> int:
+    """How many bundles of ``bundle`` a live node's total resources hold (0 for a dead or ``draining`` node)."""
+    if not node.get("Alive") or node["NodeID"] in draining:
         return 0
     res = node.get("Resources", {})
     return min((math.floor(res.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0), default=0)
 
 
 def cluster_capacity(bundle: dict[str, float]) -> int:
-    """How many bundles of ``bundle`` the live nodes could host, counting their total resources
-    (inside a Tune trial: the bundles it reserved for the workers)."""
+    """How many bundles of ``bundle`` the live nodes could host, counting their total resources, a draining
+    node's never (inside a Tune trial: the bundles it reserved for the workers)."""
     slots = tune.current()
     if slots is not None:
         return len(slots.bundles)
-    return sum(_room(node, bundle) for node in ray.nodes())
+    draining = draining_nodes()
+    return sum(_room(node, bundle, draining) for node in ray.nodes())
 
 
 def spans_hosts(bundle: dict[str, float], placed: Sequence[str]) -> bool:

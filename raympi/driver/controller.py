@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from raympi.driver import recovery
+from raympi.driver import drains, recovery
 from raympi.driver.checkpoint import CheckpointStore
 from raympi.driver.config import FitConfig
 from raympi.driver.capacity import cluster_capacity, worker_bundle
@@ -34,6 +34,8 @@ from raympi.worker import WorkerSpec
 __all__ = ["Controller"]
 
 log = logging.getLogger("raympi")
+
+DRAIN_POLL_S = 0.5  # how often the driver asks Ray which nodes are being drained (a call of about 1 ms)
 
 
 class Controller:
@@ -87,6 +89,7 @@ class Controller:
         rule = StragglerRule(cfg.straggler_factor or 0.0, cfg.straggler_chunks)
         self.stragglers = StragglerWatch(rule) if cfg.straggler_factor else None
         self.data_slow_told: set[int] = set()  # ranks already reported slow for their data
+        self.next_drain_poll = 0.0  # (time.monotonic) when to ask again which nodes are being drained
 
     # -- the state machine ------------------------------------------------------------------------
 
@@ -383,7 +386,30 @@ class Controller:
     def _stop_requested(self) -> Failure | None:
         if self.signal is not None:
             return Failure(FailureKind.DRIVER_SIGTERM, self.signal, phase=Phase.DRAINING)
-        return None
+        return self._drained()
+
+    def _drained(self) -> Failure | None:
+        """Ranks on a node being drained (a preemption notice, :mod:`raympi.driver.drains`): a planned stop that
+        moves them to hot spares elsewhere before the node's deadline.  Spares alone on such a node are dropped."""
+        now = time.monotonic()
+        if self.group is None or now < self.next_drain_poll:
+            return None
+        self.next_drain_poll = now + DRAIN_POLL_S
+        draining = drains.draining_nodes()
+        group = self.group
+        new = frozenset(draining) - group.draining
+        group.draining = frozenset(draining)
+        ranks = tuple(r for r, node in enumerate(group.nodes) if node in draining)
+        if not ranks:
+            if new:
+                group.drop_spares_on(new)
+            return None
+        nodes = tuple(group.nodes[r] for r in ranks)
+        deadlines = [d for n in set(nodes) if (d := draining[n]) is not None]
+        within = f"within {min(deadlines) - time.time():.0f} s" if deadlines else "with no deadline"
+        names = ", ".join(sorted({n[:8] for n in nodes}))
+        cause = f"rank(s) {list(ranks)} on node(s) being drained ({names}, gone {within})"
+        return Failure(FailureKind.NODE_DRAIN, cause, ranks=ranks, nodes=nodes, phase=Phase.DRAINING)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self.signal is not None:

@@ -132,6 +132,7 @@ class WorkerGroup:
         self.silent_found: list[Silent] = []  # ranks the last failure found silent, not yet replaced
         self.unlabelled: list[Silent] = []  # ranks replaced while silent, their label (died or hung) not yet known
         self.labelled: list[tuple[int, bool]] = []  # labels known, not yet asked for (label_silent)
+        self.draining: frozenset[str] = frozenset()  # nodes being drained: no rank, spare or bundle of ours goes there
 
     def start(self) -> WorkerGroup:
         """Place the workers (or take those parked by the last fit), start them, join them into one
@@ -246,11 +247,13 @@ class WorkerGroup:
         """Kill the ``failed`` ranks (one found silent and replaced by a spare, once labelled: :meth:`label_silent`);
         hot spares take their places at once, replacements start in the background for the rest where live
         nodes have room, and new spares start in the freed bundles.  ``avoid``: nodes whose spares take no
-        rank (a slow or draining node); a rank with no spare elsewhere gets a replacement, as with none at all.
+        rank (a slow or draining node); a rank with no spare elsewhere gets a replacement, as with none at all
+        (outside the group's bundles when its own is on a draining node).
 
         The spares and replacements wait (``spares.incoming``, ``spares.replacements``) until :meth:`reform`
         takes them in.
         """
+        avoid |= self.draining
         silent = {s.rank: s for s in self.silent_found if s.actor is self.actors[s.rank]}
         self.silent_found = []
         for r in failed:
@@ -271,6 +274,8 @@ class WorkerGroup:
         room = max(0, cluster_capacity(self.bundle) - taken)
         for r in failed:
             freed, spare = self.bundles[r], bool(spares.inside or alive)
+            if self.nodes[r] in self.draining:  # its bundle goes with the node: nothing of ours starts there
+                freed = None
             if r in silent and spare:  # killed once labelled (label_silent): Ray may yet say that it died
                 self.unlabelled.append(silent[r])
             elif r in silent:  # a replacement started in its bundle needs that room now: labelled and killed first
@@ -290,6 +295,19 @@ class WorkerGroup:
         spares.outside.extend(alive)
         if avoid:
             spares.inside += held
+
+    def drop_spares_on(self, nodes: frozenset[str]) -> None:
+        """Kill the hot spares on ``nodes`` (being drained): they would go with the node, and new ones may start
+        elsewhere meanwhile (one inside the standby communicator stays in it until the next derivation)."""
+        spares = self.spares
+        actors = [s.actor for s in spares.inside] + [s.actor for s in spares.outside]
+        doomed = {key for key, node in self._nodes_of(actors).items() if node in nodes}
+        for actor in actors:
+            if id(actor) in doomed:
+                ray.kill(actor, no_restart=True)
+        self.lost += [s.actor for s in spares.inside if id(s.actor) in doomed]
+        spares.inside = [s for s in spares.inside if id(s.actor) not in doomed]
+        spares.outside = [s for s in spares.outside if id(s.actor) not in doomed]
 
     def spare_off(self, nodes: set[str]) -> bool:
         """Whether a hot spare, ready and on none of ``nodes``, could take a rank now."""
@@ -339,7 +357,12 @@ class WorkerGroup:
             return
         spares.next_top_up = time.monotonic() + 1.0
         taken = {*self.bundles, *spares.bundles()}
-        free = [i for i in range(len(placement_group_table(self.pg)["bundles"])) if i not in taken]
+        table = placement_group_table(self.pg)
+        free = [
+            i
+            for i in range(len(table["bundles"]))
+            if i not in taken and table["bundles_to_node_id"].get(i) not in self.draining
+        ]
         self._start_spare(free[0] if free else None)
 
     def _settle_join(self, wait_s: float = 0.0) -> None:
@@ -401,7 +424,11 @@ class WorkerGroup:
         self.lost = []
         self.hosts = [host for _, _, host in formed]
         node_of_bundle = placement_group_table(self.pg)["bundles_to_node_id"]
-        self.nodes = [node_of_bundle.get(b, "?") for b in self.bundles]
+        outside = self._nodes_of([a for a, b in zip(self.actors, self.bundles) if b is None])  # spares taken in
+        self.nodes = [
+            node_of_bundle.get(b, "?") if b is not None else outside.get(id(a), "?")
+            for a, b in zip(self.actors, self.bundles)
+        ]
         answers: list[Rejoined] = self.gather(
             [a.rejoin.remote(keep.index(root)) for a in self.actors], deadline, "re-forming the group"
         )

@@ -61,6 +61,9 @@ class FailureKind(str, enum.Enum):
     # a rank computing far slower than its peers, chunk after chunk: checkpoint taken, a hot spare off its node
     # takes its place (raympi.driver.stragglers)
     STRAGGLER = "straggler"
+    # ranks on a node being drained (a preemption notice): checkpoint taken, hot spares elsewhere take their
+    # places before the deadline (raympi.driver.drains)
+    NODE_DRAIN = "node_drain"
 
     @property
     def planned(self) -> bool:
@@ -72,7 +75,13 @@ class FailureKind(str, enum.Enum):
             FailureKind.EARLY_STOP,
             FailureKind.DEGRADED,
             FailureKind.STRAGGLER,
+            FailureKind.NODE_DRAIN,
         )
+
+    @property
+    def migration(self) -> bool:
+        """Whether it moves ranks off a slow or draining node (a spare on that node never takes their place)."""
+        return self in (FailureKind.STRAGGLER, FailureKind.NODE_DRAIN)
 
     @property
     def counted(self) -> bool:
@@ -234,9 +243,10 @@ def decide(failure: Failure, run: RunState, config: "FitConfig", capacity: Capac
         and kind is not FailureKind.FORMATION
         and len(survivors) + min(room, len(failed)) >= config.min_ranks
     )
-    if kind in (FailureKind.PREEMPTED, FailureKind.STRAGGLER) and warm:  # replaced; its peers keep their state
+    if (kind is FailureKind.PREEMPTED or kind.migration) and warm:  # replaced; its peers keep their state
         return Warm(survivors=survivors, failed=failed)
-    if kind.planned:  # PREEMPTED or STRAGGLER without survivors, CAPACITY_BACK, DEGRADED (DRIVER_SIGTERM: above)
+    # PREEMPTED, STRAGGLER or NODE_DRAIN with too few left, CAPACITY_BACK, DEGRADED (DRIVER_SIGTERM: above)
+    if kind.planned:
         return Cold(planned=True)
     if run.failures >= config.max_restarts:
         return Raise(

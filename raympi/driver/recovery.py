@@ -95,8 +95,8 @@ def warm(
     record = record_of(failure, run, group.world)
     failed, survivors = list(decision.failed), list(decision.survivors)
     group.abort(survivors)
-    # Replacements boot while the survivors drain; a straggler's node holds no spare that may take its place.
-    group.replace(failed, avoid=frozenset(failure.nodes) if failure.kind is FailureKind.STRAGGLER else frozenset())
+    # Replacements boot while the survivors drain; a slow or draining node holds no spare that may take its place.
+    group.replace(failed, avoid=frozenset(failure.nodes) if failure.kind.migration else frozenset())
     deadline = Deadline(cfg.step_timeout_s, "step_timeout_s")
     reported: dict[int, dict[str, Any]] = {}
     done = {r: run.step for r in survivors}
@@ -120,7 +120,11 @@ def warm(
             raise WarmSkipped("no survivor left")
     root = max(survivors, key=lambda r: done[r])
     step, world_before = done[root], group.world
-    print(f"raympi: {failure.cause}; warm restart of {len(survivors)} survivor(s) at step {step}", file=sys.stderr)
+    how = f"planned migration at step {step}, {len(survivors)} rank(s) kept" if failure.kind.migration else None
+    print(
+        f"raympi: {failure.cause}; {how or f'warm restart of {len(survivors)} survivor(s) at step {step}'}",
+        file=sys.stderr,
+    )
     # Steps the survivors finished but the driver had not seen yet: their metrics as the survivors
     # reported them, marked as reconstructed (their time is when the driver learnt of them).
     seen = [
