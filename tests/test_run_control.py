@@ -102,6 +102,9 @@ def test_tensorboard_event_files_are_readable(ray_session, tmp_path):
 
 def test_the_report_of_a_real_run_names_its_two_ranks(ray_session, tmp_path):
     _fit(tmp_path, epochs=1)
+    timeline = tmp_path / "ck" / "timeline.png"
+    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # fit draws it at its end, beside metrics.png
+    timeline.unlink()
     done = subprocess.run(
         [sys.executable, "-m", "raympi", "report", str(tmp_path / "ck")], capture_output=True, text=True, timeout=120
     )

@@ -25,9 +25,10 @@ from raympi.driver.group import WorkerGroup
 from raympi.driver.pipeline import Chunk, ChunkPlan, Pipeline
 from raympi.driver.callbacks import Dispatcher, run_params
 from raympi.driver.policy import Capacity, Decision, Failed, Failure, FailureKind, Finish, Grow, Raise, Warm, decide
-from raympi.driver.report import MetricsLog, Progress, RankLog, write_plot
+from raympi.driver.report import MetricsLog, Progress, RankLog, read_ranks, write_plot
 from raympi.driver.run_state import Checkpoint, Phase, RunState, StepRecord, Timers
 from raympi.driver.stragglers import StragglerRule, StragglerWatch, peer_medians
+from raympi.driver.timeline import write_timeline
 from raympi.exceptions import FormationError
 from raympi.worker import WorkerSpec
 
@@ -458,10 +459,14 @@ class Controller:
             self.group = None
 
     def _write_reports(self, plot: bool = False) -> None:
-        """Append the steps not yet in metrics.jsonl; at the end, the plot too (it reads the whole history)."""
+        """Append the steps not yet in metrics.jsonl; at the end, the plot and each rank's timeline too (they read
+        the whole history)."""
         self.metrics_log.append(self.run.history)
         if plot:
-            write_plot(list(self.run.history), self.store.file("metrics.png"), self.store.fs)
+            fs = self.store.fs
+            write_plot(list(self.run.history), self.store.file("metrics.png"), fs)
+            lines = read_ranks(self.store.file("ranks.jsonl"), fs)
+            write_timeline(lines, [r.as_dict() for r in self.run.restarts], self.store.file("timeline.png"), fs)
 
 
 def _on_signals(handler: Any) -> dict[int, Any]:

@@ -1,7 +1,8 @@
 """A run's timeline as a PNG: each rank's milliseconds a step computing, waiting for data and waiting in collectives,
 against the step, with its restarts marked (failures, evictions, migrations, planned stops).
 
-``python -m raympi report RUN_DIR`` writes it as ``timeline.png`` in the run's folder, beside ``metrics.png``.
+``fit`` writes it as ``timeline.png`` in the run's folder at its end, beside ``metrics.png``, and ``python -m raympi
+report RUN_DIR`` again.
 """
 
 from __future__ import annotations
