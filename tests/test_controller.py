@@ -361,3 +361,42 @@ def test_only_a_failure_is_announced_as_a_recovery(tmp_path, kind, announced):
     controller.fit()
     store.close()
     assert any(line.startswith("recovering at step") for line in lines) is announced, lines
+
+
+def test_no_straggler_streak_outlives_its_group_nor_counts_a_chunk_run_while_draining(tmp_path):
+    """A straggler's streak is counted in the group it was seen in: the chunk that completes while the run drains for
+    a planned stop is not counted, and once the group is re-formed (ranks numbered anew, a replacement in the slow
+    rank's place) every streak starts again, so the replacement is never blamed for the evicted rank's chunks."""
+    from raympi.driver.policy import Warm
+    from raympi.driver.report import Progress
+    from raympi.driver.run_state import Phase
+    from raympi.worker.results import StepTimes
+
+    plan = ChunkPlan(total=100, steps_per_epoch=100)
+    controller, store = _controller(tmp_path, ScriptedPipeline(plan), straggler_factor=2.0, straggler_chunks=2)
+    controller.progress = Progress(plan.total, False)
+    group = FakeGroup(controller.cfg, 2, None, None)
+    group.nodes, group.spare_off = ["node-a", "node-b"], lambda nodes: True
+    controller.group = group
+    slow = [StepTimes(compute_s=0.1), StepTimes(compute_s=0.5)]  # rank 1: 5x its peer, 40 ms a step longer
+    step = 0
+
+    def chunk_done() -> Failure | None:
+        nonlocal step
+        step += 10
+        records = [{"step": s, "epoch": 0, "samples_per_s": 100.0} for s in range(step - 9, step + 1)]
+        return controller.completed(Chunk(step - 10, step, [], times=slow), records)
+
+    controller._enter(Phase.RUNNING)
+    assert chunk_done() is None  # slow once
+    controller._enter(Phase.DRAINING)  # a planned stop asked for: this chunk ran on the group about to change
+    assert chunk_done() is None
+    controller._enter(Phase.RUNNING)
+    failure = chunk_done()  # slow twice in a row, counted while running
+    assert failure is not None and failure.kind is FailureKind.STRAGGLER and failure.ranks == (1,)
+    controller._enter(Phase.RUNNING)
+    assert chunk_done() is None  # slow once more: a streak of 1 (the decision reset it)
+    controller._carry_out(Warm(survivors=(0,), failed=(1,)), failure)  # re-formed: rank 1 is the spare now
+    assert controller.stragglers is not None and controller.stragglers.streak == {}
+    assert chunk_done() is None  # the spare's first chunk, slow as it warms up: one chunk, no straggler
+    store.close()

@@ -225,6 +225,8 @@ class Controller:
             self.run = dataclasses.replace(self.run, restarts=(*self.run.restarts[:restarts], *new))
             self._time(reformed=now, recovering=detected if new else self.run.timers.recovering)
             self.metrics_log.rewind(self.run.step)  # a cold restart goes back: the redone steps are logged again
+            if self.stragglers is not None:  # the ranks are numbered anew: no streak carries over
+                self.stragglers.reset()
             for record in new:
                 self.callbacks.restart(record.as_dict())
         return followup
@@ -316,7 +318,8 @@ class Controller:
                 f"steps ran {slower:.0f}x slower after the warm restart than before it",
                 phase=Phase.DRAINING,
             )
-        return self._straggler(chunk) if chunk.last < self.plan.total else None
+        # (a chunk that completes while draining for a planned stop ran on the group about to change)
+        return self._straggler(chunk) if chunk.last < self.plan.total and self.run.phase is Phase.RUNNING else None
 
     def _straggler(self, chunk: Chunk) -> Failure | None:
         """A rank slow in its own compute for ``straggler_chunks`` chunks in a row, with a hot spare off its node

@@ -106,6 +106,7 @@ class Pipeline:
         # How rank 0's state after a step is asked for (queued behind that step's chunk): by default an
         # object ref of the state; the checkpoint store may ask rank 0 to write a large one itself.
         self.snapshot = snapshot or (lambda group, step: group.actors[0].state_dict.remote())
+        self.pace: tuple[int, float] | None = None  # the last chunk's steps and seconds, to size the next one
 
     def _evaluation(self, group: Any, step: int) -> list[Any]:
         """Every rank's evaluation of its part of the eval set, after ``step``."""
@@ -164,7 +165,9 @@ class Pipeline:
         """
         cfg, plan = self.cfg, self.plan
         inflight: deque[Chunk] = deque()
-        next_step, size, last_done = start, 1, time.monotonic()
+        # A new group's first chunk is one step (it warms up autograd and MPI); a re-formed one goes on at its pace.
+        size = 1 if group.fresh or self.pace is None else plan.next_size(start, *self.pace)
+        next_step, last_done = start, time.monotonic()
         stop: Failure | None = None
 
         def keep_first(new: Failure | None) -> Failure | None:
@@ -209,7 +212,7 @@ class Pipeline:
                 )
             now = time.monotonic()
             count, seconds, last_done = chunk.last - chunk.first, max(1e-9, now - last_done), now
-            size = plan.next_size(next_step, count, seconds)
+            size, self.pace = plan.next_size(next_step, count, seconds), (count, seconds)
             records = [
                 {
                     "step": chunk.first + k + 1,
