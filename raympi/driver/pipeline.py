@@ -165,8 +165,10 @@ class Pipeline:
         """
         cfg, plan = self.cfg, self.plan
         inflight: deque[Chunk] = deque()
-        # A new group's first chunk is one step (it warms up autograd and MPI); a re-formed one goes on at its pace.
-        size = 1 if group.fresh or self.pace is None else plan.next_size(start, *self.pace)
+        # A group's first chunk is one step: a new group's warms up autograd and MPI, a re-formed one's says soon that
+        # it is back.  The chunk sent with it is one step too in a new group, and at the last chunk's pace in a
+        # re-formed one (which then needs no run of short chunks to find its pace again).
+        size, then = 1, 1 if group.fresh or self.pace is None else plan.next_size(start, *self.pace)
         next_step, last_done = start, time.monotonic()
         stop: Failure | None = None
 
@@ -187,6 +189,8 @@ class Pipeline:
             while len(inflight) < 2 and next_step < plan.total and stop is None:
                 count = min(size, plan.boundary(next_step) - next_step)
                 inflight.append(self.submit(group, next_step, count))
+                if next_step == start:  # the group's first chunk, sent
+                    size = then
                 next_step += count
             if not inflight:  # stopped before anything was sent (the SIGTERM came while starting)
                 assert stop is not None  # (nothing sent, the plan not done: only a stop does that)
