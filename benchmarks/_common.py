@@ -1,5 +1,5 @@
-"""What the benchmarks share: the local Ray start, the child-process runner, the torchrun and Ray Train
-contenders, the MNIST-shaped data and models, medians and spreads, and the CSV and table writers.
+"""What the benchmarks share: the local Ray start, a cluster of 1-CPU nodes, the child-process runner, the torchrun
+and Ray Train contenders, the MNIST-shaped data and models, medians and spreads, and the CSV and table writers.
 
 Every script in benchmarks/ may import this module, and no script imports another.  A script run as
 ``python benchmarks/<script>.py`` finds it beside itself (Python puts the script's folder first on
@@ -92,6 +92,27 @@ def local_ray(num_cpus: int, **kwargs: Any) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def one_cpu_nodes(nodes: int) -> Iterator[Any]:
+    """A ``ray.cluster_utils.Cluster`` of a 0-CPU head (the driver) and ``nodes`` 1-CPU nodes for the block, Ray
+    attached to it (workers with OMP_NUM_THREADS=1, their logs not relayed); then Ray and the cluster shut down."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # No dashboard, no fixed port (a head's default: 8265 for the dashboard, 52365 for its agent).
+    head = {"num_cpus": 0, "include_dashboard": False, "dashboard_port": None, "dashboard_agent_listen_port": 0}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": OMP1})
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 _ONE_RAY: dict[str, bool] = {"on": False}  # whether share_one_ray() started the Ray every fresh_ray() now uses

@@ -88,6 +88,7 @@ import raympi  # noqa: E402
 from _common import (  # noqa: E402
     OMP1,
     OUT,
+    one_cpu_nodes,
     own_raylets,
     spare_joins,
     ray_processes,
@@ -129,12 +130,6 @@ def make_model() -> nn.Module:
 def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(SEED)
     return torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g)
-
-
-def _ray_init(**kwargs: Any) -> None:
-    import ray
-
-    ray.init(logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": dict(OMP1)}, **kwargs)
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float, stop: threading.Event) -> bool:
@@ -353,35 +348,27 @@ def _node_of(process: psutil.Process, nodes: list[Any]) -> Optional[Any]:
 
 
 def raympi_removed_node(n: int, steps: int, path: str) -> dict[str, Any]:
-    import ray
-    from ray.cluster_utils import Cluster
-
     folder = tempfile.mkdtemp(prefix="raympi-bench-")
-    cluster, injector = None, None
     try:
-        # No dashboard, no fixed port (a head's default: 8265 for the dashboard, 52365 for its agent).
-        head = {"num_cpus": 0, "include_dashboard": False, "dashboard_port": None, "dashboard_agent_listen_port": 0}
-        cluster = Cluster(initialize_head=True, head_node_args=head)
-        for _ in range(WORKERS + 1):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        _ray_init(address=cluster.address)
-        removed: list[str] = []
+        with one_cpu_nodes(WORKERS + 1) as cluster:
+            removed: list[str] = []
 
-        def remove() -> float:
-            nodes = list(cluster.worker_nodes)
-            training = training_workers(raylet_pids(nodes))  # not the idle hot spare's node
-            hosting = [h for h in (_node_of(p, nodes) for p in training) if h is not None]
-            if not hosting:
-                raise RuntimeError("found no node hosting a training raympi worker")
-            removed.append(hosting[-1].node_id)
-            fired = time.time()
-            cluster.remove_node(hosting[-1])
-            return fired
+            def remove() -> float:
+                nodes = list(cluster.worker_nodes)
+                training = training_workers(raylet_pids(nodes))  # not the idle hot spare's node
+                hosting = [h for h in (_node_of(p, nodes) for p in training) if h is not None]
+                if not hosting:
+                    raise RuntimeError("found no node hosting a training raympi worker")
+                removed.append(hosting[-1].node_id)
+                fired = time.time()
+                cluster.remove_node(hosting[-1])
+                return fired
 
-        injector = _Injector(_checkpoint_exists(folder), remove)
-        result = _raympi_fit(folder, n, steps, path)
-        injector.join()
+            injector = _Injector(_checkpoint_exists(folder), remove)
+            try:
+                result = _raympi_fit(folder, n, steps, path)
+            finally:
+                injector.join()
         if injector.time is None:
             raise RuntimeError(injector.error)
         out = _raympi_measure(result, injector.time, path)
@@ -389,11 +376,6 @@ def raympi_removed_node(n: int, steps: int, path: str) -> dict[str, Any]:
             raise RuntimeError(f"expected a {' or '.join(LOST_KINDS)} restart, got {out['kind']}")
         return out
     finally:
-        if injector is not None:
-            injector.join()
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
 
 

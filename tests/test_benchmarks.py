@@ -64,6 +64,18 @@ def test_recovery_benchmark_quick():
     assert 0 < float(row.group(1)) < 120
 
 
+# slow: ~45 s (a 4-node Ray cluster, two fits, torchrun); the eviction itself is tested by tests/test_elastic.py
+@pytest.mark.slow
+def test_stragglers_quick():
+    """benchmarks/stragglers.py --quick: raympi, raympi with one rank slowed and eviction on, and torchrun + DDP
+    slowed each get a throughput; the eviction run says where the straggler was found, or that it was not."""
+    proc = _quick("stragglers.py", 240)
+    for name in ("raympi", "raympi slowed, eviction on", r"torchrun \+ DDP slowed"):
+        assert re.search(rf"^{name}\s+\|\s+[0-9]+ \([0-9]+-[0-9]+\) \|", proc.stdout, re.M), proc.stdout
+    found = r"^raympi slowed, eviction on, run 1: (the straggler found at step \d+|no eviction)"
+    assert re.search(found, proc.stdout, re.M), proc.stdout
+
+
 def test_compare_quick():
     """benchmarks/compare.py --quick: raympi, the mpiexec template, the floor and the raw allreduce run; the template
     ends with raympi's parameters."""
