@@ -48,7 +48,9 @@ class Result:
         state: the final :class:`~raympi.TrainState` (CPU tensors).
         model: the user's module with the trained weights loaded.
         metrics: one record per step (step, epoch, loss, accuracy, samples_per_s,
-            world_size, time) plus eval metrics where they were taken.
+            world_size, time) plus eval metrics where they were taken.  The steps a warm restart learnt of from the
+            survivors (finished, not yet reported when a rank failed) carry ``reconstructed: True`` and no
+            ``samples_per_s``.
         checkpoint: the folder of the last checkpoint written (the newest, which ``resume=True`` continues from).
         best_checkpoint: with ``checkpoint_metric``, the folder of the kept checkpoint with its best value (of
             equal ones the newer; load it with :func:`raympi.load_checkpoint`); ``None`` without the option, or
