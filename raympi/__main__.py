@@ -135,14 +135,14 @@ def report(run_dir: str) -> int:
     except FileNotFoundError as exc:
         print(f"raympi report: {exc}", file=sys.stderr)
         return 1
-    print(summary.format_summary(run))
     path = f"{folder.rstrip('/')}/timeline.png"
-    try:
+    try:  # drawn first: the summary's reader may stop early (``| head``)
         timeline.write_timeline(run.lines, run.restarts, path, fs)
+        drawn = f"timeline: {path}"
     except OSError as exc:  # a folder we may read but not write
-        print(f"timeline: not written to {path} ({exc.strerror or exc})")
-    else:
-        print(f"timeline: {path}")
+        drawn = f"timeline: not written to {path} ({exc.strerror or exc})"
+    print(summary.format_summary(run))
+    print(drawn)
     return 0
 
 
@@ -155,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     summarize.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (fit's checkpoint_dir)")
     args = parser.parse_args(argv)
-    if args.command == "doctor":
-        return doctor()
-    if args.command == "report":
+    try:
+        if args.command == "doctor":
+            return doctor()
         return report(args.run_dir)
-    return 2
+    except BrokenPipeError:  # the output went to a reader that stopped early (``| head``): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail again)
+        return 0
 
 
 if __name__ == "__main__":

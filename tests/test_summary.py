@@ -153,6 +153,18 @@ def test_the_command_prints_the_summary_and_writes_the_timeline(run_dir):
     assert (run_dir / "timeline.png").read_bytes()[:8] == PNG
 
 
+def test_the_command_piped_into_a_reader_that_stops_early(run_dir):
+    """``raympi report DIR | head -1``: no traceback, and the timeline is written all the same."""
+    report_cmd = subprocess.Popen(
+        [sys.executable, "-m", "raympi", "report", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert report_cmd.stdout is not None and report_cmd.stdout.readline().startswith(b"run: ")
+    report_cmd.stdout.close()  # the reader stops: the command's next writes find a broken pipe
+    _, err = report_cmd.communicate(timeout=120)
+    assert report_cmd.returncode == 0 and err == b"", err.decode()
+    assert (run_dir / "timeline.png").read_bytes()[:8] == PNG
+
+
 @pytest.mark.parametrize("where, words", [("missing", "does not exist"), ("empty", "holds no run")])
 def test_the_command_without_a_run(tmp_path, where, words):
     (tmp_path / "empty").mkdir()
