@@ -694,7 +694,7 @@ def test_a_drained_node_loses_no_step_and_is_then_removed(cluster, uninterrupted
         if drained and drained[0] in cluster.workers:
             cluster.workers.remove(drained[0])
             cluster.remove_node(drained[0])
-    assert drained and removed.wait(30)
+    assert drained and removed.wait(limit_s(30))
     (record,) = result.restarts  # the removal of the emptied node cost nothing
     assert record["kind"] == "node_drain" and len(record["ranks"]) == 1, record
     assert record["nodes"] == [drained[0].node_id] and "being drained" in record["cause"], record
