@@ -598,12 +598,15 @@ def test_a_rank_stuck_in_forward_is_named_with_its_stack_and_replaced_warm(clust
         logging.getLogger("raympi").removeHandler(handler)
     assert handler.fired
     (record,) = result.restarts
-    assert record["kind"] == "hung" and record["ranks"] == [1], record
+    # (the hung process is the second-oldest one running steps: rank 0 or 1, as Ray handed out its processes)
+    assert record["kind"] == "hung" and record["ranks"] in ([0], [1]), record
+    stuck, peer = record["ranks"][0], 1 - record["ranks"][0]
     assert "outside any collective while their peers wait in one" in record["cause"], record["cause"]
-    assert "rank 1: compute" in record["cause"] and "rank 0: collective" in record["cause"], record["cause"]
+    assert f"rank {stuck}: compute" in record["cause"] and f"rank {peer}: collective" in record["cause"], record
     assert record["path"] == "warm" and record["spare"] is True and record["steps_lost"] == 0, record
     report = pathlib.Path(record["report"]).read_text()
-    own = report[report.index("rank 1 (") :]
+    own = report[report.index(f"rank {stuck} (") :]
+    own = own[: own.index(f"rank {peer} (")] if stuck == 0 else own
     assert "in forward" in own and "test_elastic.py" in own, report
     assert _max_diff(result.state, uninterrupted.state) < 1e-4
 
